@@ -1,0 +1,176 @@
+"""The functional API: ``chunk_kda``, ``fused_recurrent_kda``, ``kda_gate``, ``available_backends``.
+
+Arguments are checked once (``_checks.check_kda_inputs``), then one backend runs:
+
+- ``"native"``: the fused C++ CPU operator ``torch.ops.kda.fused_recurrent`` (CPU tensors);
+- ``"reference"``: the pure-PyTorch definition in :mod:`torch_kda.reference` (any device);
+- ``"fla"``: flash-linear-attention on CUDA, imported only when chosen;
+- ``"auto"``: ``"fla"`` for CUDA tensors when FLA is installed, ``"native"`` for CPU tensors when
+  the library is built, else ``"reference"``. The environment variable ``TORCH_KDA_BACKEND``
+  (e.g. ``reference``) replaces ``"auto"``'s choice.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from . import _fla, _native, reference
+from ._checks import KDAInputs, check_kda_inputs
+
+__all__ = ["chunk_kda", "fused_recurrent_kda", "kda_gate", "available_backends", "BackendStatus",
+           "BACKENDS"]
+
+BACKENDS = ("auto", "native", "reference", "fla")
+
+
+class BackendStatus(NamedTuple):
+    """Whether a backend can run here, and if not, why (``reason`` is ``""`` when available)."""
+
+    available: bool
+    reason: str
+
+
+def available_backends() -> Dict[str, BackendStatus]:
+    """Which backends work in this process, and why not the others.
+
+    Returns:
+        ``{"native": BackendStatus, "reference": ..., "fla": ...}``; ``reference`` is always
+        available. FLA is probed without being imported.
+    """
+    fla_reason = _fla.unavailable_reason()
+    return {
+        "native": BackendStatus(_native.LOAD_ERROR is None, _native.LOAD_ERROR or ""),
+        "reference": BackendStatus(True, ""),
+        "fla": BackendStatus(fla_reason is None, fla_reason or ""),
+    }
+
+
+def _resolve_backend(backend: str, x: KDAInputs) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        forced = os.environ.get("TORCH_KDA_BACKEND", "").strip()
+        if forced and forced != "auto":
+            if forced not in BACKENDS:
+                raise ValueError(f"TORCH_KDA_BACKEND must be one of {BACKENDS}, got {forced!r}")
+            backend = forced
+    if backend == "auto":
+        if x.q.is_cuda and _fla.unavailable_reason() is None:
+            return "fla"
+        if x.q.device.type == "cpu" and _native.LOAD_ERROR is None:
+            return "native"
+        return "reference"
+    if backend == "native":
+        if _native.LOAD_ERROR is not None:
+            raise RuntimeError(f"backend='native' is unavailable: {_native.LOAD_ERROR}; "
+                               "use backend='reference'")
+        if x.q.device.type != "cpu":
+            raise ValueError(f"backend='native' runs on CPU tensors, got q on {x.q.device}; "
+                             "use backend='fla' or 'reference' on this device")
+    return backend
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False, lower_bound: Optional[float] = None,
+    state_v_first: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Kimi Delta Attention, token by token (the recurrent form; best for decoding).
+
+    Per sequence and value head, for t = 1..T (KDA_SPEC.md "Forward recurrence"; Kimi Linear
+    report, arXiv 2510.26692, Eq. 1)::
+
+        S'_t = Diag(exp(g_t)) S_{t-1};  u_t = beta_t (v_t - S'_t^T k_t);  S_t = S'_t + k_t u_t^T;
+        o_t  = S_t^T (scale * q_t)
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries and keys (fp64, fp32, bf16 or fp16; same dtype as ``v``).
+        v: ``[B, T, HV, V]`` values; ``HV % H == 0``, value head ``hv`` reads q/k head
+            ``hv // (HV // H)`` (grouped value heads, GVA).
+        g: ``[B, T, HV, K]`` per-channel log-decay (``<= 0``), or the raw gate input when
+            ``use_gate_in_kernel=True``.
+        beta: ``[B, T, HV]`` write strength in ``[0, 1]``, or logits with
+            ``use_beta_sigmoid_in_kernel=True``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), any float
+            dtype; zeros when None. N = B, or the number of sequences in ``cu_seqlens``.
+        output_final_state: also return the final state.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(sum x^2 + 1e-6)``) in the op.
+        use_gate_in_kernel: compute ``g`` from the raw input in the op (see :func:`kda_gate`).
+        use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)`` in the op.
+        allow_neg_eigval: ``beta = 2 * sigmoid(beta)`` (needs ``use_beta_sigmoid_in_kernel``).
+        lower_bound: with ``use_gate_in_kernel``, selects the bounded gate (a float in ``[-5, 0)``
+            typically; must be negative).
+        state_v_first: states are stored transposed, ``[N, HV, V, K]`` (FLA's V-first layout).
+        cu_seqlens: ``[N + 1]`` int64/int32 offsets of packed variable-length sequences
+            (``B == 1``, starts at 0, non-decreasing, ends at T).
+        A_log: ``[HV]`` gate parameter; dt_bias: ``[HV * K]`` or ``[HV, K]`` gate bias.
+        backend: ``"auto"``, ``"native"``, ``"reference"`` or ``"fla"`` (module docstring).
+
+    Returns:
+        ``(o, final_state)``: ``o [B, T, HV, V]`` in ``q``'s dtype; ``final_state`` fp32 (fp64 for
+        fp64 inputs) in the requested layout, or None without ``output_final_state``.
+        Arithmetic is fp32 (fp64 for fp64 inputs) whatever the input dtype.
+
+    Raises:
+        TypeError: non-tensors, non-float dtypes, mixed q/k/v dtypes, non-integer ``cu_seqlens``.
+        ValueError: inconsistent shapes or devices, bad ``cu_seqlens``, ``HV % H != 0``, gate
+            arguments missing or out of range, unknown backend.
+        RuntimeError: the requested backend cannot run here (see :func:`available_backends`).
+    """
+    x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                         allow_neg_eigval, False, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias)
+    chosen = _resolve_backend(backend, x)
+    if chosen == "native":
+        return _native.fused_recurrent(x)
+    if chosen == "fla":
+        return _fla.fused_recurrent(x)
+    return reference.run_reference(x, "recurrent")
+
+
+def chunk_kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False, safe_gate: bool = False, lower_bound: Optional[float] = None,
+    state_v_first: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+    chunk_size: int = 64, backend: str = "auto",
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Kimi Delta Attention for training and prefill: a drop-in for ``fla.ops.kda.chunk_kda``.
+
+    Same math, arguments, shapes, dtypes, returns and errors as :func:`fused_recurrent_kda`, plus:
+
+    Args:
+        safe_gate: FLA's licence for chunk tricks that need bounded per-step decay; requires
+            ``-5 <= lower_bound < 0``. It never changes the result.
+        chunk_size: chunk length C of the chunkwise (WY/UT transform) form, a positive int
+            (FLA accepts 32 or 64).
+
+    The ``"reference"`` backend runs the chunkwise form (KDA_SPEC.md "Chunkwise form"; Kimi Linear
+    report Eq. 10); ``"native"`` runs the fused recurrent C++ kernel (same result to rounding);
+    ``"fla"`` calls FLA's Triton kernels.
+    """
+    x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                         allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
+                         dt_bias, chunk_size)
+    chosen = _resolve_backend(backend, x)
+    if chosen == "native":
+        return _native.fused_recurrent(x)
+    if chosen == "fla":
+        return _fla.chunk(x)
+    return reference.run_reference(x, "chunk")
+
+
+kda_gate = reference.kda_gate

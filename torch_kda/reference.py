@@ -1,0 +1,237 @@
+"""Pure-PyTorch Kimi Delta Attention: the readable definition every fast path is tested against.
+
+Read beside ``KDA_SPEC.md`` (sections "Forward recurrence", "Gate and beta computed inside the
+op" and "Chunkwise form"); the math comes from the Kimi Linear technical report
+(arXiv 2510.26692, Eq. 1 and Eq. 10) and the public contract of flash-linear-attention's
+``fla.ops.kda``. Everything here is ordinary autograd-traced PyTorch, so gradients of any order
+work on any device; nothing here is fast.
+
+Shapes: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]``, ``beta [B, T, HV]``,
+state ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``). Arithmetic is float32, or
+float64 for float64 ``q``; ``o`` comes back in ``q``'s dtype, the final state in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import KDAInputs, check_kda_inputs, check_gate_args
+
+__all__ = ["fused_recurrent_kda", "chunk_kda", "kda_gate", "l2norm"]
+
+L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x**2, -1) + eps)`` along the last axis (KDA_SPEC.md, first line of the recurrence)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
+          lower_bound: Optional[float]) -> torch.Tensor:
+    """Log-decay from the raw gate input ``g [..., HV, K]``; inputs already checked."""
+    dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+    HV, K = g.shape[-2], g.shape[-1]
+    z = g.to(dtype)
+    if dt_bias is not None:
+        z = z + dt_bias.to(dtype).reshape(HV, K)
+    if lower_bound is None:
+        # softplus gate: g = -exp(A_log) * softplus(z)
+        rate = A_log.to(dtype).exp().reshape(HV, 1)
+        return -rate * F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
+    # bounded gate: g = lower_bound * sigmoid(exp(A_log) * z), in [lower_bound, 0)
+    if A_log is not None:
+        z = A_log.to(dtype).exp().reshape(HV, 1) * z
+    return lower_bound * torch.sigmoid(z)
+
+
+def kda_gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor] = None,
+             lower_bound: Optional[float] = None) -> torch.Tensor:
+    """KDA's per-channel log-decay computed from the raw gate input.
+
+    Args:
+        g: raw gate input ``[..., HV, K]``, any float dtype.
+        A_log: ``[HV]`` log of the decay rate (may be None only with ``lower_bound``).
+        dt_bias: ``[HV * K]`` or ``[HV, K]`` bias added to ``g`` first, or None.
+        lower_bound: None for the softplus gate ``-exp(A_log) * softplus(g + dt_bias)``;
+            a negative float for the bounded gate ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``.
+
+    Returns:
+        the log-decay, same shape as ``g``, float32 (float64 for float64 ``g``), ``<= 0``.
+
+    Raises:
+        TypeError / ValueError: wrong types, shapes, missing ``A_log`` for the softplus gate,
+        ``lower_bound >= 0``.
+
+    Source: Kimi Linear report (arXiv 2510.26692) and FLA's ``fla.ops.kda.gate``; KDA_SPEC.md,
+    "Gate and beta computed inside the op".
+    """
+    check_gate_args(g, A_log, dt_bias, lower_bound)
+    return _gate(g, A_log, dt_bias, lower_bound)
+
+
+def _prepare(x: KDAInputs) -> Tuple[torch.Tensor, ...]:
+    """Gate, beta, l2-norm and GVA expansion: returns compute-dtype q̃, k̂, v, g, beta with HV heads."""
+    dtype = x.compute_dtype
+    group = x.HV // x.H
+    q, k = x.q.to(dtype), x.k.to(dtype)
+    if x.use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q = q * x.scale
+    if group > 1:  # value head hv reads query/key head hv // group
+        q = q.repeat_interleave(group, dim=2)
+        k = k.repeat_interleave(group, dim=2)
+    if x.use_gate_in_kernel:
+        g = _gate(x.g, x.A_log, x.dt_bias, x.lower_bound)
+    else:
+        g = x.g.to(dtype)
+    beta = x.beta.to(dtype)
+    if x.use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta) * (2.0 if x.allow_neg_eigval else 1.0)
+    return q, k, x.v.to(dtype), g, beta
+
+
+def _initial_state(x: KDAInputs) -> torch.Tensor:
+    """``[N, HV, K, V]`` in the compute dtype (zeros when no initial state is given)."""
+    if x.initial_state is None:
+        return x.q.new_zeros(x.N, x.HV, x.K, x.V, dtype=x.compute_dtype)
+    s = x.initial_state.to(x.compute_dtype)
+    return s.transpose(-1, -2) if x.state_v_first else s
+
+
+def _recurrent_scan(q, k, v, g, beta, S):
+    """Token-by-token recurrence (KDA_SPEC.md "Forward recurrence") on ``[n, t, HV, *]`` tensors."""
+    outputs = []
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp().unsqueeze(-1)                           # S' = Diag(a_t) S
+        r = v[:, t] - torch.einsum("nhk,nhkv->nhv", k[:, t], S)        # delta-rule error
+        u = beta[:, t].unsqueeze(-1) * r
+        S = S + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)               # rank-1 write
+        outputs.append(torch.einsum("nhk,nhkv->nhv", q[:, t], S))      # read after the write
+    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
+    return o, S
+
+
+def _decay_matrix(G_rows: torch.Tensor, G_cols: torch.Tensor, diagonal: int) -> torch.Tensor:
+    """``exp(G_rows[i] - G_cols[j])`` where ``j <= i + diagonal`` (``[n, h, c, c, K]``), 0 elsewhere.
+
+    The exponent is formed and masked BEFORE exponentiation, so no positive exponent is ever
+    exponentiated (no overflow however strong the decay) and, because masked entries carry no
+    gradient, a later token's gate cannot reach an earlier output (causality).
+    """
+    c = G_rows.shape[2]
+    keep = torch.ones(c, c, dtype=torch.bool, device=G_rows.device).tril(diagonal)
+    diff = G_rows.unsqueeze(3) - G_cols.unsqueeze(2)                   # [n, h, c(i), c(j), K]
+    return diff.masked_fill(~keep[:, :, None], float("-inf")).exp()
+
+
+def _chunk_scan(q, k, v, g, beta, S, chunk_size: int):
+    """Chunkwise form (KDA_SPEC.md "Chunkwise form", WY/UT transform) on ``[n, t, HV, *]`` tensors."""
+    n, T = q.shape[:2]
+    if T == 0:
+        return v.new_zeros(v.shape), S
+    pad = (-T) % chunk_size
+    if pad:
+        # Padding tokens with k = 0, beta = 0 and g = 0 write nothing and decay nothing: exact.
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    # [n, T, h, d] -> [n, h, chunks, C, d]
+    q, k, v, g = (x.unflatten(1, (-1, chunk_size)).permute(0, 3, 1, 2, 4) for x in (q, k, v, g))
+    beta = beta.unflatten(1, (-1, chunk_size)).permute(0, 3, 1, 2)
+    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+    outputs = []
+    for c in range(q.shape[2]):
+        qc, kc, vc, bc = q[:, :, c], k[:, :, c], v[:, :, c], beta[:, :, c].unsqueeze(-1)
+        G = g[:, :, c].cumsum(dim=2)                                   # [n, h, C, K], <= 0
+        strict = _decay_matrix(G, G, -1)                               # exp(G_i - G_j), j < i
+        causal = _decay_matrix(G, G, 0)                                # exp(G_i - G_j), j <= i
+        Akk = bc * torch.einsum("nhik,nhjk,nhijk->nhij", kc, kc, strict)
+        Aqk = torch.einsum("nhik,nhjk,nhijk->nhij", qc, kc, causal)
+        # (I + Akk)^-1 by forward substitution on the unit lower-triangular system
+        T_inv = lambda rhs: torch.linalg.solve_triangular(eye + Akk, rhs, upper=False, unitriangular=True)
+        W = T_inv(bc * kc * G.exp())
+        U = T_inv(bc * vc)
+        V_new = U - W @ S
+        outputs.append((qc * G.exp()) @ S + Aqk @ V_new)
+        G_last = G[:, :, -1:]                                          # [n, h, 1, K]
+        S = S * G_last.transpose(-1, -2).exp() + ((G_last - G).exp() * kc).transpose(-1, -2) @ V_new
+    o = torch.stack(outputs, dim=2).permute(0, 2, 3, 1, 4).flatten(1, 2)  # [n, T+pad, h, V]
+    return o[:, :T], S
+
+
+def _run(x: KDAInputs, scan) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    q, k, v, g, beta = _prepare(x)
+    S0 = _initial_state(x)
+    if x.cu_seqlens is None:
+        o, S = scan(q, k, v, g, beta, S0)
+    else:
+        outs, states = [], []
+        for i, (start, end) in enumerate(zip(x.seq_bounds[:-1], x.seq_bounds[1:])):
+            o_i, S_i = scan(*(t[:, start:end] for t in (q, k, v, g, beta)), S0[i:i + 1])
+            outs.append(o_i)
+            states.append(S_i)
+        o = torch.cat(outs, dim=1) if outs else v.new_zeros(v.shape)
+        S = torch.cat(states, dim=0) if states else S0
+    if not x.output_final_state:
+        return o.to(x.q.dtype), None
+    return o.to(x.q.dtype), (S.transpose(-1, -2) if x.state_v_first else S).contiguous()
+
+
+def _scan_for(method: str, chunk_size: int):
+    if method == "recurrent":
+        return _recurrent_scan
+    return lambda *args: _chunk_scan(*args, chunk_size=chunk_size)
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False, lower_bound: Optional[float] = None,
+    state_v_first: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """KDA by its token-by-token recurrence, in plain PyTorch (the definition).
+
+    Same arguments, shapes, dtypes and errors as :func:`torch_kda.fused_recurrent_kda`; see its
+    docstring. Differentiable to any order. Source: KDA_SPEC.md "Forward recurrence"
+    (Kimi Linear report, arXiv 2510.26692, Eq. 1).
+    """
+    x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                         allow_neg_eigval, False, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias)
+    return run_reference(x, "recurrent")
+
+
+def chunk_kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False, safe_gate: bool = False, lower_bound: Optional[float] = None,
+    state_v_first: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+    chunk_size: int = 64,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """KDA by its chunkwise (WY/UT transform) form, in plain PyTorch.
+
+    Same arguments, shapes, dtypes and errors as :func:`torch_kda.chunk_kda`; any ``T`` (the last
+    chunk is padded exactly), finite under the strongest decays (exponents are formed as
+    differences ``G_i - G_j <= 0`` before ``exp``), causal. Differentiable to any order. Source:
+    KDA_SPEC.md "Chunkwise form" (Kimi Linear report, arXiv 2510.26692, Eq. 10).
+    """
+    x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                         allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
+                         dt_bias, chunk_size)
+    return run_reference(x, "chunk")
+
+
+def run_reference(x: KDAInputs, method: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run checked inputs through the recurrent or chunkwise reference (used by the dispatcher)."""
+    return _run(x, _scan_for(method, x.chunk_size))

@@ -21,9 +21,12 @@ def _flag(name: str, default: str) -> bool:
     return os.environ.get(name, default).strip().lower() not in _FALSE
 
 
-def _pure_python() -> None:
+def _pure_python(keep_platform_tag: bool = False) -> None:
     # scikit-build-core reads every setting from SKBUILD_* environment variables as well.
     os.environ["SKBUILD_WHEEL_CMAKE"] = "false"
+    if keep_platform_tag:
+        # The metadata was already prepared for a platform wheel: keep the tag consistent.
+        os.environ["SKBUILD_WHEEL_PLATLIB"] = "true"
 
 
 def _with_fallback(build, *args, **kwargs):
@@ -43,7 +46,7 @@ def _with_fallback(build, *args, **kwargs):
             "Set TORCH_KDA_REQUIRE_EXT=1 to make this an error.\n",
             file=sys.stderr,
         )
-        _pure_python()
+        _pure_python(keep_platform_tag=True)
         return build(*args, **kwargs)
 
 
@@ -64,6 +67,8 @@ def get_requires_for_build_sdist(config_settings=None):
 
 
 def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    if not _flag("TORCH_KDA_BUILD_EXT", "1"):
+        _pure_python()
     return _skbuild.prepare_metadata_for_build_wheel(metadata_directory, config_settings)
 
 

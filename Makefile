@@ -1,0 +1,68 @@
+# torch-kda: every target does its own set-up, so each works on a fresh machine.
+#   make demo   - install everything, then run the main demo (python -m torch_kda demo)
+#   make test   - install everything, then run the Python and C++ test suites
+# Torch is pinned (torch==2.13.0, the CPU wheel kept on these machines): an unpinned resolve would
+# download a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+FLA_VERSION ?= 0.6.0
+JOBS ?= 2
+BUILD_CPP := build/cpp
+TORCH_PREFIX = $$($(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+
+.PHONY: demo test setup install test-python test-cpp bench check fuzz test-sanitize clean
+
+demo: install
+	$(PY) -m torch_kda demo
+
+test: install test-python test-cpp
+
+# --- set-up ---------------------------------------------------------------------------------------
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Python packages (torch pinned), CMake/Ninja for the native build, GoogleTest for the C++ suite.
+$(VENV)/.setup-done: pyproject.toml Makefile | $(PY)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q "scikit-build-core>=0.10" ninja "pytest>=7" "hypothesis>=6" numpy tqdm matplotlib einops
+	@# FLA's naive KDA is an independent test oracle; the wheel is pure Python (its Triton part is not used).
+	$(PIP) install -q --no-deps fla-core==$(FLA_VERSION)
+	command -v cmake >/dev/null 2>&1 || $(PIP) install -q cmake
+	@if [ ! -f /usr/include/gtest/gtest.h ]; then \
+	  echo "installing GoogleTest (libgtest-dev) with apt-get"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev) \
+	    || echo "WARNING: could not install libgtest-dev; the C++ tests need it"; \
+	fi
+	touch $@
+
+setup: $(VENV)/.setup-done
+
+# The package with its native operator, built against the installed torch. TORCH_KDA_REQUIRE_EXT=1
+# makes a failed native build an error here (a user's plain `pip install` falls back to pure Python).
+install: setup
+	TORCH_KDA_REQUIRE_EXT=1 CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PIP) install -q --no-build-isolation --no-deps .
+
+# --- tests ----------------------------------------------------------------------------------------
+test-python: install
+	cd tests && ../$(PY) -m pytest -q -p no:cacheprovider .
+
+# The same library built by CMake alone, its GoogleTest suite (ctest), and the C++ example built
+# against the installed CMake package with find_package(TorchKDA).
+test-cpp: setup
+	cmake -S . -B $(BUILD_CPP) -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_BUILD_TESTS=ON \
+	  -DCMAKE_PREFIX_PATH="$(TORCH_PREFIX)" -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(BUILD_CPP)/install
+	cmake --build $(BUILD_CPP) -j $(JOBS)
+	cmake --install $(BUILD_CPP)
+	ctest --test-dir $(BUILD_CPP) --output-on-failure
+	cmake -S examples/cpp -B $(BUILD_CPP)/example -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_PREFIX_PATH="$(CURDIR)/$(BUILD_CPP)/install;$(TORCH_PREFIX)"
+	cmake --build $(BUILD_CPP)/example -j $(JOBS)
+	$(BUILD_CPP)/example/kda_example
+
+clean:
+	rm -rf build _skbuild dist *.egg-info

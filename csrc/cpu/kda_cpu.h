@@ -1,0 +1,90 @@
+// Internal interface between the op layer (csrc/ops.cpp: schemas, checks, Meta, autograd) and the
+// CPU drivers (csrc/cpu/recurrent_fwd.cpp, csrc/cpu/recurrent_bwd.cpp). Not installed.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "cpu/kernels/recurrent_kernels.h"
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace kda {
+namespace detail {
+
+// The inputs of kda::fused_recurrent / fused_recurrent_fwd / fused_recurrent_bwd, as passed.
+struct Inputs {
+  at::Tensor q, k, v, g, beta;
+  std::optional<at::Tensor> initial_state, cu_seqlens, A_log, dt_bias;
+};
+
+struct Config {
+  double scale = 1.0;
+  bool use_qk_l2norm_in_kernel = false;
+  bool use_gate_in_kernel = false;
+  bool use_beta_sigmoid_in_kernel = false;
+  bool allow_neg_eigval = false;
+  std::optional<double> lower_bound;
+  bool state_v_first = false;
+};
+
+// Sizes established by check_inputs.
+struct Dims {
+  int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
+  int64_t N = 0;         // number of sequences
+  bool varlen = false;
+  int64_t n_slots = 0;   // checkpoint slots: B * ceil(T / kChunk)
+};
+
+// Validates everything the kernels index with (ops.cpp). With check_values, also reads
+// cu_seqlens (CPU kernels; the Meta kernels cannot).
+Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values);
+
+// Dtype of the arithmetic and of the state: fp64 for fp64 q, else fp32.
+inline at::ScalarType compute_dtype(const at::Tensor& q) {
+  return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Per-token pre-processing (l2 norm, scale, gate, decay, sigmoid beta) into contiguous buffers of
+// the compute dtype. Shared by the forward and the backward (which recomputes it).
+struct Prepared {
+  at::Tensor q;      // [BT, H, K]   scale * qhat
+  at::Tensor qhat;   // [BT, H, K]   l2norm(q) (or q)
+  at::Tensor q_rnorm;// [BT, H, 1]   1 / sqrt(sum q^2 + 1e-6)   (only with l2 norm)
+  at::Tensor k;      // [BT, H, K]   l2norm(k) (or k)
+  at::Tensor k_rnorm;// [BT, H, 1]
+  at::Tensor g;      // [BT, HV, K]  log decay
+  at::Tensor z;      // [BT, HV, K]  gate pre-activation g_raw + dt_bias (gate in op)
+  at::Tensor gate_s; // [BT, HV, K]  sigmoid used by the gate (gate in op)
+  at::Tensor a;      // [BT, HV, K]  exp(g)
+  at::Tensor beta;   // [BT, HV]     write strength
+  at::Tensor v;      // [BT, HV, V]
+};
+Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d);
+
+// Sequence layout for the kernels (int64 vectors owned by the caller).
+struct Sequences {
+  std::vector<int64_t> start, end, origin, slot_base;
+};
+Sequences make_sequences(const Inputs& in, const Dims& d);
+kernels::SeqInfo seq_info(const Sequences& s);
+
+// Initial state in [N, HV, K, V] layout and compute dtype (undefined if none).
+at::Tensor state_kv(const std::optional<at::Tensor>& s, const Config& cfg, at::ScalarType ct);
+
+// CPU forward: (o [B,T,HV,V] in q's dtype, final_state (compute dtype, caller's layout),
+// checkpoints [n_slots, HV, K, V] compute dtype, or an empty tensor without with_checkpoints).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> recurrent_fwd_cpu(const Inputs& in,
+                                                                  const Config& cfg,
+                                                                  bool with_checkpoints);
+
+// CPU backward: {dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias}, each in its input's
+// dtype and shape; the last three are empty tensors when the input is absent / unused.
+std::vector<at::Tensor> recurrent_bwd_cpu(const at::Tensor& d_o,
+                                          const std::optional<at::Tensor>& d_final_state,
+                                          const at::Tensor& checkpoints, const Inputs& in,
+                                          const Config& cfg);
+
+}  // namespace detail
+}  // namespace kda

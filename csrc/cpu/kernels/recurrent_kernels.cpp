@@ -1,0 +1,454 @@
+// Fused recurrent KDA: forward and backward inner loops for one unit of work.
+//
+// Compiled once per instruction set (KDA_ISA = avx512 | avx2 | generic, see cmake/KdaKernels.cmake).
+// The code is written with GCC/Clang vector extensions: one "vector" is 64 bytes (16 floats or
+// 8 doubles), lowered by the compiler to one zmm, two ymm or four xmm registers.
+//
+// Math: ../../../KDA_SPEC.md ("Forward recurrence", "Backward of the recurrence"). A unit owns a
+// K x W slice of the state (W <= 32 floats: 16 KB at K = 128, resident in L1 for all T) and never
+// allocates inside its time loop.
+#include "cpu/kernels/recurrent_kernels.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#define KDA_STR2(x) #x
+#define KDA_STR(x) KDA_STR2(x)
+#define KDA_ISA_NAME KDA_STR(KDA_ISA)
+
+#ifndef KDA_ISA
+#error "KDA_ISA must name the instruction set this file is compiled for"
+#endif
+
+namespace kda {
+namespace kernels {
+namespace KDA_ISA {
+namespace {
+
+template <typename T>
+struct VecOf;
+template <>
+struct VecOf<float> {
+  typedef float type __attribute__((vector_size(64)));
+};
+template <>
+struct VecOf<double> {
+  typedef double type __attribute__((vector_size(64)));
+};
+template <typename T>
+using vec_t = typename VecOf<T>::type;
+template <typename T>
+constexpr int64_t kLanes = 64 / static_cast<int64_t>(sizeof(T));
+
+// Rows of the state processed per step of the row loops (independent accumulators).
+#if defined(__AVX512F__)
+constexpr int kRows = 4;
+#else
+constexpr int kRows = 2;
+#endif
+
+// Everything here has internal linkage and uses no std:: templates: this file is compiled with
+// different -m flags, and a shared (weak) template instance could otherwise be taken from the
+// AVX-512 object by a caller on a CPU without AVX-512.
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// 64-byte aligned scratch memory, zero-filled (allocated once per unit, outside time loops).
+template <typename E>
+class Scratch {
+ public:
+  explicit Scratch(int64_t n) {
+    const size_t bytes = ((static_cast<size_t>(n) * sizeof(E) + 63) / 64) * 64 + 64;
+    p_ = static_cast<E*>(std::aligned_alloc(64, bytes));
+    if (p_ == nullptr) std::abort();
+    std::memset(static_cast<void*>(p_), 0, bytes);
+  }
+  ~Scratch() { std::free(p_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  E* data() const { return p_; }
+
+ private:
+  E* p_ = nullptr;
+};
+
+template <typename T>
+inline vec_t<T> splat(T x) {
+  return vec_t<T>{} + x;
+}
+
+// Loads m valid elements (m may be <= 0 or >= lanes); the rest of the vector is zero.
+template <typename T>
+inline vec_t<T> load_cols(const T* p, int64_t m) {
+  vec_t<T> r{};
+  if (m >= kLanes<T>) {
+    std::memcpy(&r, p, sizeof(r));
+  } else {
+    for (int64_t l = 0; l < m; ++l) r[l] = p[l];
+  }
+  return r;
+}
+
+template <typename T>
+inline void store_cols(T* p, const vec_t<T>& x, int64_t m) {
+  if (m >= kLanes<T>) {
+    std::memcpy(p, &x, sizeof(x));
+  } else {
+    for (int64_t l = 0; l < m; ++l) p[l] = x[l];
+  }
+}
+
+template <typename T>
+inline T hsum(const vec_t<T>& x) {
+  T s = 0;
+  for (int64_t l = 0; l < kLanes<T>; ++l) s += x[l];
+  return s;
+}
+
+template <typename T, int NV>
+inline T hsum_n(const vec_t<T> (&x)[NV]) {
+  vec_t<T> s = x[0];
+  for (int c = 1; c < NV; ++c) s += x[c];
+  return hsum<T>(s);
+}
+
+// Copies the slice [j0, j0 + width) of a row-major K x V state into the padded K x NV buffer.
+template <typename T, int NV>
+inline void load_slice(vec_t<T>* dst, const T* src, int64_t K, int64_t V, int64_t width) {
+  constexpr int64_t L = kLanes<T>;
+  for (int64_t i = 0; i < K; ++i) {
+    for (int c = 0; c < NV; ++c) {
+      dst[i * NV + c] = src ? load_cols(src + i * V + c * L, width - c * L) : vec_t<T>{};
+    }
+  }
+}
+
+template <typename T, int NV>
+inline void store_slice(T* dst, const vec_t<T>* src, int64_t K, int64_t V, int64_t width) {
+  constexpr int64_t L = kLanes<T>;
+  for (int64_t i = 0; i < K; ++i) {
+    for (int c = 0; c < NV; ++c) {
+      if (width - c * L > 0) store_cols(dst + i * V + c * L, src[i * NV + c], width - c * L);
+    }
+  }
+}
+
+// r = sum_i a[i] k[i] S[i, :]   (S'^T k of the token whose decay is a and key is k)
+template <typename T, int NV>
+inline void decayed_key_read(vec_t<T> (&r)[NV], const vec_t<T>* S, const T* a, const T* k,
+                             int64_t K) {
+  using V = vec_t<T>;
+  V acc[kRows][NV] = {};
+  int64_t i = 0;
+  for (; i + kRows <= K; i += kRows) {
+#pragma GCC unroll 4
+    for (int rr = 0; rr < kRows; ++rr) {
+      const V c = splat<T>(a[i + rr] * k[i + rr]);
+#pragma GCC unroll 4
+      for (int cc = 0; cc < NV; ++cc) acc[rr][cc] += c * S[(i + rr) * NV + cc];
+    }
+  }
+  for (; i < K; ++i) {
+    const V c = splat<T>(a[i] * k[i]);
+    for (int cc = 0; cc < NV; ++cc) acc[0][cc] += c * S[i * NV + cc];
+  }
+  for (int cc = 0; cc < NV; ++cc) {
+    V s = acc[0][cc];
+    for (int rr = 1; rr < kRows; ++rr) s += acc[rr][cc];
+    r[cc] = s;
+  }
+}
+
+// One token's write, fused with the reads around it:
+//   Sout[i] = a[i] Sin[i] + k[i] u          (S_t = S'_t + k u^T)
+//   o      = sum_i q[i] Sout[i]             (only if WithOut)
+//   rnext  = sum_i an[i] kn[i] Sout[i]      (S'_{t+1}^T k_{t+1}: the next token's read)
+template <typename T, int NV, bool WithOut>
+inline void write_step(vec_t<T>* Sout, const vec_t<T>* Sin, const vec_t<T> (&u)[NV], const T* a,
+                       const T* k, const T* q, const T* an, const T* kn, int64_t K,
+                       vec_t<T> (&o)[NV], vec_t<T> (&rnext)[NV]) {
+  using V = vec_t<T>;
+  V oacc[kRows][NV] = {};
+  V racc[kRows][NV] = {};
+  int64_t i = 0;
+  for (; i + kRows <= K; i += kRows) {
+#pragma GCC unroll 4
+    for (int rr = 0; rr < kRows; ++rr) {
+      const int64_t ii = i + rr;
+      const V av = splat<T>(a[ii]);
+      const V kv = splat<T>(k[ii]);
+      const V cn = splat<T>(an[ii] * kn[ii]);
+      V qv{};
+      if (WithOut) qv = splat<T>(q[ii]);
+#pragma GCC unroll 4
+      for (int cc = 0; cc < NV; ++cc) {
+        const V s = av * Sin[ii * NV + cc] + kv * u[cc];
+        Sout[ii * NV + cc] = s;
+        if (WithOut) oacc[rr][cc] += qv * s;
+        racc[rr][cc] += cn * s;
+      }
+    }
+  }
+  for (; i < K; ++i) {
+    const V av = splat<T>(a[i]);
+    const V kv = splat<T>(k[i]);
+    const V cn = splat<T>(an[i] * kn[i]);
+    V qv{};
+    if (WithOut) qv = splat<T>(q[i]);
+    for (int cc = 0; cc < NV; ++cc) {
+      const V s = av * Sin[i * NV + cc] + kv * u[cc];
+      Sout[i * NV + cc] = s;
+      if (WithOut) oacc[0][cc] += qv * s;
+      racc[0][cc] += cn * s;
+    }
+  }
+  for (int cc = 0; cc < NV; ++cc) {
+    V so = oacc[0][cc], sr = racc[0][cc];
+    for (int rr = 1; rr < kRows; ++rr) {
+      so += oacc[rr][cc];
+      sr += racc[rr][cc];
+    }
+    o[cc] = so;
+    rnext[cc] = sr;
+  }
+}
+
+template <typename T, int NV>
+void fwd_slice(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t width) {
+  using V = vec_t<T>;
+  constexpr int64_t L = kLanes<T>;
+  const int64_t K = A.K, Vd = A.V, H = A.H, HV = A.HV;
+  const int64_t h = hv / (HV / H);
+  const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
+  const int64_t origin = A.seqs.origin[n], slot_base = A.seqs.slot_base[n];
+  const int64_t state_off = (n * HV + hv) * K * Vd + j0;  // in [N, HV, K, V]
+  const int64_t ckpt_off = hv * K * Vd + j0;               // in one slot of [slots, HV, K, V]
+  const int64_t slot_stride = HV * K * Vd;
+
+  Scratch<V> S(K * NV);
+  const Scratch<T> zeros(K);
+  load_slice<T, NV>(S.data(), A.h0 ? A.h0 + state_off : nullptr, K, Vd, width);
+
+  V r[NV] = {};
+  if (ts < te) {
+    decayed_key_read<T, NV>(r, S.data(), A.a + (ts * HV + hv) * K, A.k + (ts * H + h) * K, K);
+  }
+  for (int64_t t = ts; t < te; ++t) {
+    if (A.ckpt && (t - origin) % kChunk == 0) {
+      const int64_t slot = slot_base + (t - origin) / kChunk;
+      store_slice<T, NV>(A.ckpt + slot * slot_stride + ckpt_off, S.data(), K, Vd, width);
+    }
+    const T* at = A.a + (t * HV + hv) * K;
+    const T* kt = A.k + (t * H + h) * K;
+    const T* qt = A.q + (t * H + h) * K;
+    const T* an = zeros.data();
+    const T* kn = zeros.data();
+    if (t + 1 < te) {
+      an = A.a + ((t + 1) * HV + hv) * K;
+      kn = A.k + ((t + 1) * H + h) * K;
+    }
+    const V b = splat<T>(A.beta[t * HV + hv]);
+    const T* vt = A.v + (t * HV + hv) * Vd + j0;
+    V u[NV];
+    for (int cc = 0; cc < NV; ++cc) u[cc] = b * (load_cols(vt + cc * L, width - cc * L) - r[cc]);
+    V o[NV];
+    write_step<T, NV, true>(S.data(), S.data(), u, at, kt, qt, an, kn, K, o, r);
+    T* ot = A.o + (t * HV + hv) * Vd + j0;
+    for (int cc = 0; cc < NV; ++cc) {
+      if (width - cc * L > 0) store_cols(ot + cc * L, o[cc], width - cc * L);
+    }
+  }
+  store_slice<T, NV>(A.ht + state_off, S.data(), K, Vd, width);
+}
+
+template <typename T>
+void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t width) {
+  constexpr int64_t L = kLanes<T>;
+  const int64_t nv = (width + L - 1) / L;
+  if (nv <= 1) return fwd_slice<T, 1>(A, n, hv, j0, width);
+  if (nv == 2) return fwd_slice<T, 2>(A, n, hv, j0, width);
+  if constexpr (kFwdSlice / L > 2) {
+    if (nv == 3) return fwd_slice<T, 3>(A, n, hv, j0, width);
+    return fwd_slice<T, (kFwdSlice / L > 3 ? 4 : 3)>(A, n, hv, j0, width);
+  }
+}
+
+// Backward of one slice of columns over the whole sequence (chunks in reverse order).
+// Buffers (sized by the caller, reused across chunks): Sbuf kChunk states, rbuf kChunk reads S'^T k,
+// Hs the running gradient of the state.
+template <typename T, int NV>
+void bwd_slice(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t width, int64_t p,
+               bool first, vec_t<T>* Sbuf, vec_t<T>* rbuf, vec_t<T>* Hs, const T* zeros) {
+  using V = vec_t<T>;
+  constexpr int64_t L = kLanes<T>;
+  const int64_t K = A.K, Vd = A.V, H = A.H, HV = A.HV;
+  const int64_t h = hv / (HV / H);
+  const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
+  const int64_t origin = A.seqs.origin[n], slot_base = A.seqs.slot_base[n];
+  const int64_t state_off = (n * HV + hv) * K * Vd + j0;  // in [N, HV, K, V]
+  const int64_t ckpt_off = hv * K * Vd + j0;               // in one slot of [slots, HV, K, V]
+  const int64_t slot_stride = HV * K * Vd;
+  const int64_t KN = K * NV;
+
+  load_slice<T, NV>(Hs, A.dht ? A.dht + state_off : nullptr, K, Vd, width);
+  if (ts < te) {
+    const int64_t c_first = (ts - origin) / kChunk;
+    const int64_t c_last = (te - 1 - origin) / kChunk;
+    for (int64_t c = c_last; c >= c_first; --c) {
+      const int64_t s0 = imax(ts, origin + c * kChunk);
+      const int64_t e = imin(te, origin + (c + 1) * kChunk);
+      // Recompute the states S_{t-1} (t in [s0, e)) and the reads r_t of the chunk.
+      if (s0 == ts) {
+        load_slice<T, NV>(Sbuf, A.h0 ? A.h0 + state_off : nullptr, K, Vd, width);
+      } else {
+        load_slice<T, NV>(Sbuf, A.ckpt + (slot_base + c) * slot_stride + ckpt_off, K, Vd, width);
+      }
+      V r[NV];
+      decayed_key_read<T, NV>(r, Sbuf, A.a + (s0 * HV + hv) * K, A.k + (s0 * H + h) * K, K);
+      for (int64_t t = s0; t < e; ++t) {
+        const int64_t slot = t - s0;
+        for (int cc = 0; cc < NV; ++cc) rbuf[slot * NV + cc] = r[cc];
+        if (t + 1 == e) break;
+        const V b = splat<T>(A.beta[t * HV + hv]);
+        const T* vt = A.v + (t * HV + hv) * Vd + j0;
+        V u[NV];
+        for (int cc = 0; cc < NV; ++cc) u[cc] = b * (load_cols(vt + cc * L, width - cc * L) - r[cc]);
+        V unused[NV];
+        write_step<T, NV, false>(Sbuf + (slot + 1) * KN, Sbuf + slot * KN, u,
+                                 A.a + (t * HV + hv) * K, A.k + (t * H + h) * K, zeros,
+                                 A.a + ((t + 1) * HV + hv) * K, A.k + ((t + 1) * H + h) * K, K,
+                                 unused, r);
+      }
+      // Backward through the chunk, last token first.
+      for (int64_t t = e - 1; t >= s0; --t) {
+        const int64_t slot = t - s0;
+        const V* Sp = Sbuf + slot * KN;  // S_{t-1}
+        const T* at = A.a + (t * HV + hv) * K;
+        const T* kt = A.k + (t * H + h) * K;
+        const T* qt = A.q + (t * H + h) * K;
+        const T bs = A.beta[t * HV + hv];
+        const V b = splat<T>(bs);
+        V r_[NV], u[NV], dov[NV];
+        const T* dot = A.dout + (t * HV + hv) * Vd + j0;
+        const T* vt = A.v + (t * HV + hv) * Vd + j0;
+        for (int cc = 0; cc < NV; ++cc) {
+          // r_t = v_t - S'^T k (rbuf holds the read S'^T k), u_t = beta r_t
+          r_[cc] = load_cols(vt + cc * L, width - cc * L) - rbuf[slot * NV + cc];
+          u[cc] = b * r_[cc];
+          dov[cc] = load_cols(dot + cc * L, width - cc * L);
+        }
+        const int64_t row = (t * HV + hv) * K;
+        T* dq = A.dq + p * A.group_stride + row;
+        T* dk = A.dk + p * A.group_stride + row;
+        T* dg = A.dg + p * A.group_stride + row;
+        // Pass 1: D = H + q do^T (kept in Hs), delta = D^T k, dq = S_t do.
+        V dacc[kRows][NV] = {};
+        int64_t i = 0;
+        auto pass1_row = [&](int64_t ii, V (&acc)[NV]) {
+          const V av = splat<T>(at[ii]), kv = splat<T>(kt[ii]), qv = splat<T>(qt[ii]);
+          V w[NV];
+          for (int cc = 0; cc < NV; ++cc) {
+            const V st = av * Sp[ii * NV + cc] + kv * u[cc];
+            const V D = Hs[ii * NV + cc] + qv * dov[cc];
+            Hs[ii * NV + cc] = D;
+            acc[cc] += kv * D;
+            w[cc] = st * dov[cc];
+          }
+          const T dqi = hsum_n<T, NV>(w);
+          dq[ii] = first ? dqi : dq[ii] + dqi;
+        };
+        for (; i + kRows <= K; i += kRows) {
+#pragma GCC unroll 4
+          for (int rr = 0; rr < kRows; ++rr) pass1_row(i + rr, dacc[rr]);
+        }
+        for (; i < K; ++i) pass1_row(i, dacc[0]);
+        V delta[NV];
+        for (int cc = 0; cc < NV; ++cc) {
+          V s = dacc[0][cc];
+          for (int rr = 1; rr < kRows; ++rr) s += dacc[rr][cc];
+          delta[cc] = s;
+        }
+        T* dvt = A.dv + (t * HV + hv) * Vd + j0;
+        V w[NV];
+        for (int cc = 0; cc < NV; ++cc) {
+          if (width - cc * L > 0) store_cols(dvt + cc * L, b * delta[cc], width - cc * L);
+          w[cc] = delta[cc] * r_[cc];
+        }
+        const T dbt = hsum_n<T, NV>(w);
+        T* dbp = A.dbeta + p * A.group_stride_beta + t * HV + hv;
+        *dbp = first ? dbt : *dbp + dbt;
+        // Pass 2: E = D - beta k delta^T, dg = rowsum(E * S'), dk = D u - beta S' delta,
+        // H_{t-1} = Diag(a) E.
+#pragma GCC unroll 4
+        for (int64_t ii = 0; ii < K; ++ii) {
+          const V av = splat<T>(at[ii]);
+          const V bk = splat<T>(bs * kt[ii]);
+          V wg[NV], wk[NV];
+          for (int cc = 0; cc < NV; ++cc) {
+            const V D = Hs[ii * NV + cc];
+            const V sp = av * Sp[ii * NV + cc];
+            const V E = D - bk * delta[cc];
+            wg[cc] = E * sp;
+            wk[cc] = D * u[cc] - b * (sp * delta[cc]);
+            Hs[ii * NV + cc] = av * E;
+          }
+          const T dgi = hsum_n<T, NV>(wg);
+          const T dki = hsum_n<T, NV>(wk);
+          dg[ii] = first ? dgi : dg[ii] + dgi;
+          dk[ii] = first ? dki : dk[ii] + dki;
+        }
+      }
+    }
+  }
+  store_slice<T, NV>(A.dh0 + state_off, Hs, K, Vd, width);
+}
+
+template <typename T>
+void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
+              int64_t p) {
+  using V = vec_t<T>;
+  constexpr int64_t L = kLanes<T>;
+  constexpr int64_t NVmax = (kBwdSlice + L - 1) / L;
+  const int64_t K = A.K;
+  Scratch<V> Sbuf(kChunk * K * NVmax);
+  Scratch<V> rbuf(kChunk * NVmax);
+  Scratch<V> Hs(K * NVmax);
+  const Scratch<T> zeros(K);
+  for (int64_t s = s_begin; s < s_end; ++s) {
+    const int64_t j0 = s * kBwdSlice;
+    const int64_t width = imin(kBwdSlice, A.V - j0);
+    const int64_t nv = (width + L - 1) / L;
+    const bool first = s == s_begin;
+    auto run = [&](auto nv_const) {
+      constexpr int NV = decltype(nv_const)::value;
+      bwd_slice<T, NV>(A, n, hv, j0, width, p, first, Sbuf.data(), rbuf.data(), Hs.data(),
+                       zeros.data());
+    };
+    if (nv <= 1) {
+      run(std::integral_constant<int, 1>{});
+    } else if (nv == 2 || NVmax <= 2) {
+      run(std::integral_constant<int, 2>{});
+    } else if (nv == 3) {
+      run(std::integral_constant<int, (NVmax >= 3 ? 3 : 2)>{});
+    } else {
+      run(std::integral_constant<int, (NVmax >= 4 ? 4 : 2)>{});
+    }
+  }
+}
+
+const Table kTable = {
+    KDA_ISA_NAME,
+    &fwd_unit<float>,
+    &fwd_unit<double>,
+    &bwd_unit<float>,
+    &bwd_unit<double>,
+};
+
+}  // namespace
+
+const Table& get() { return kTable; }
+
+}  // namespace KDA_ISA
+}  // namespace kernels
+}  // namespace kda

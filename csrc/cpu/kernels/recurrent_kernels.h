@@ -1,0 +1,95 @@
+// Inner loops of the fused recurrent KDA forward and backward, on raw pointers (no torch headers).
+//
+// This header is included by csrc/cpu/kernels/recurrent_kernels.cpp, which is compiled once per
+// instruction set (namespace kda::kernels::<isa>), and by the torch-facing drivers, which pick one
+// instruction set at run time through kda::kernels::table() (csrc/cpu/isa_dispatch.cpp).
+//
+// All arrays are contiguous, in the compute type T (float, or double for fp64 inputs). Tokens are
+// flattened over the batch: token index t in [0, B*T). A "unit" is one (sequence, value head,
+// slice of V columns); units are independent, so the drivers run them in parallel.
+#pragma once
+
+#include <cstdint>
+
+namespace kda {
+namespace kernels {
+
+// Checkpoint interval of the forward (tokens): the backward recomputes states inside a chunk.
+constexpr int64_t kChunk = 64;
+// Columns of the state handled by one forward / backward unit (a K x kSlice slice stays in L1).
+constexpr int64_t kFwdSlice = 32;
+constexpr int64_t kBwdSlice = 32;
+
+// Sequences: sequence n covers flattened tokens [seq_start[n], seq_end[n]); its checkpoints are
+// numbered from slot_base[n], slot c holding the state before token origin[n] + c * kChunk.
+struct SeqInfo {
+  int64_t n_seq = 0;
+  const int64_t* seq_start = nullptr;
+  const int64_t* seq_end = nullptr;
+  const int64_t* origin = nullptr;
+  const int64_t* slot_base = nullptr;
+};
+
+template <typename T>
+struct FwdArgs {
+  SeqInfo seqs;
+  int64_t H = 0, HV = 0, K = 0, V = 0;
+  const T* q = nullptr;     // [BT, H, K]   scale * l2norm(q) (already pre-processed)
+  const T* k = nullptr;     // [BT, H, K]   l2norm(k)
+  const T* a = nullptr;     // [BT, HV, K]  per-channel decay exp(g)
+  const T* beta = nullptr;  // [BT, HV]
+  const T* v = nullptr;     // [BT, HV, V]
+  const T* h0 = nullptr;    // [N, HV, K, V] or null (zeros)
+  T* o = nullptr;           // [BT, HV, V]
+  T* ht = nullptr;          // [N, HV, K, V]
+  T* ckpt = nullptr;        // [slots, HV, K, V] or null (no checkpoints)
+};
+
+template <typename T>
+struct BwdArgs {
+  SeqInfo seqs;
+  int64_t H = 0, HV = 0, K = 0, V = 0;
+  const T* q = nullptr;     // as in FwdArgs
+  const T* k = nullptr;
+  const T* a = nullptr;
+  const T* beta = nullptr;
+  const T* v = nullptr;
+  const T* h0 = nullptr;    // [N, HV, K, V] or null
+  const T* ckpt = nullptr;  // [slots, HV, K, V] written by the forward
+  const T* dout = nullptr;  // [BT, HV, V]
+  const T* dht = nullptr;   // [N, HV, K, V] or null
+  // Sums over V columns: unit (n, hv, group p) writes partial p: [P, BT, HV, K] and [P, BT, HV].
+  T* dq = nullptr;          // gradient w.r.t. the pre-processed q (scale included)
+  T* dk = nullptr;          // gradient w.r.t. the pre-processed k
+  T* dg = nullptr;          // gradient w.r.t. the log decay g
+  T* dbeta = nullptr;
+  int64_t group_stride = 0; // BT * HV * K  (elements between partials of dq, dk, dg)
+  int64_t group_stride_beta = 0;  // BT * HV
+  T* dv = nullptr;          // [BT, HV, V]
+  T* dh0 = nullptr;         // [N, HV, K, V]
+};
+
+struct Table {
+  const char* isa;
+  // Forward of columns [j0, j0 + width) of value head hv of sequence n; width <= kFwdSlice.
+  void (*fwd_f32)(const FwdArgs<float>&, int64_t n, int64_t hv, int64_t j0, int64_t width);
+  void (*fwd_f64)(const FwdArgs<double>&, int64_t n, int64_t hv, int64_t j0, int64_t width);
+  // Backward of slices [s_begin, s_end) (kBwdSlice columns each) of (n, hv), writing partial p.
+  void (*bwd_f32)(const BwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
+                  int64_t p);
+  void (*bwd_f64)(const BwdArgs<double>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
+                  int64_t p);
+};
+
+// The best kernels this CPU supports (chosen once).
+const Table& table();
+
+#define KDA_DECLARE_ISA(isa) \
+  namespace isa { const Table& get(); }
+KDA_DECLARE_ISA(avx512)
+KDA_DECLARE_ISA(avx2)
+KDA_DECLARE_ISA(generic)
+#undef KDA_DECLARE_ISA
+
+}  // namespace kernels
+}  // namespace kda

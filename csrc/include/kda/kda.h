@@ -1,0 +1,66 @@
+// torch-kda: public C++ API of the native Kimi Delta Attention operator.
+//
+// Link the CMake target TorchKDA::kda (find_package(TorchKDA)). Loading the library registers the
+// ops torch.ops.kda.fused_recurrent (+ the internal fused_recurrent_fwd / fused_recurrent_bwd)
+// with CPU, Meta and Autograd kernels; kda::fused_recurrent() below calls the registered op, so
+// gradients flow through it in a pure C++ program (tensor.backward()).
+//
+// Math: KDA_SPEC.md (shared with the project). Per sequence and value head, t = 1..T:
+//   S'_t = Diag(exp(g_t)) S_{t-1};  u_t = beta_t (v_t - S'_t^T k_t);  S_t = S'_t + k_t u_t^T;
+//   o_t = S_t^T (scale * q_t)
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace kda {
+
+// Options of fused_recurrent; the defaults give the plain recurrence.
+struct FusedRecurrentOptions {
+  // Multiplies q; default K ** -0.5.
+  std::optional<double> scale;
+  // S_0: [N, HV, K, V] (or [N, HV, V, K] with state_v_first), any floating dtype; zeros if unset.
+  std::optional<at::Tensor> initial_state;
+  // Packed variable-length sequences: [N + 1] int64 or int32, 0 = c_0 <= c_1 <= ... <= c_N = T,
+  // with B == 1. Unset: N = B and each batch row is one sequence.
+  std::optional<at::Tensor> cu_seqlens;
+  // q, k <- x / sqrt(sum x^2 + 1e-6) over K before use.
+  bool use_qk_l2norm_in_kernel = false;
+  // g is the raw gate input: with lower_bound unset, g <- -exp(A_log) * softplus(g + dt_bias)
+  // (A_log required); with lower_bound (< 0), g <- lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
+  // (A_log optional: without it, lower_bound * sigmoid(g + dt_bias)).
+  bool use_gate_in_kernel = false;
+  std::optional<double> lower_bound;
+  std::optional<at::Tensor> A_log;    // [HV]
+  std::optional<at::Tensor> dt_bias;  // [HV * K] or [HV, K]
+  // beta is a logit: beta <- sigmoid(beta) (times 2 with allow_neg_eigval, which requires it).
+  bool use_beta_sigmoid_in_kernel = false;
+  bool allow_neg_eigval = false;
+  // Layout of initial_state and of the returned final state: [.., V, K] instead of [.., K, V].
+  bool state_v_first = false;
+};
+
+// Fused recurrent KDA on CPU tensors.
+//   q, k:  [B, T, H, K]      v: [B, T, HV, V] (HV % H == 0; value head hv reads q/k head
+//          hv / (HV / H)), q/k/v of one dtype in {float64, float32, bfloat16, float16}
+//   g:     [B, T, HV, K]     log decay (<= 0), or the raw gate input with use_gate_in_kernel
+//   beta:  [B, T, HV]        write strength, or logits with use_beta_sigmoid_in_kernel
+// Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] (or [N, HV, V, K]) in float32,
+// float64 when q is float64). Arithmetic in float32 (float64 for float64 q). Inputs may be
+// non-contiguous and are never modified; T = 0 and empty sequences are valid (the state passes
+// through). Gradients (first order) flow to q, k, v, g, beta, initial_state, A_log, dt_bias and
+// from both outputs; a second-order gradient throws. Results are bitwise identical for any
+// number of threads (at::set_num_threads).
+// Errors: any inconsistent size, dtype, device or cu_seqlens value throws c10::Error naming the
+// argument, the expected and the actual value.
+std::tuple<at::Tensor, at::Tensor> fused_recurrent(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v, const at::Tensor& g,
+                                                   const at::Tensor& beta,
+                                                   const FusedRecurrentOptions& options = {});
+
+// Name of the instruction set the CPU kernels use on this machine ("avx512", "avx2", "generic").
+const char* cpu_kernel_isa();
+
+}  // namespace kda

@@ -30,6 +30,8 @@ $(VENV)/.setup-done: pyproject.toml Makefile | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q "scikit-build-core>=0.10" ninja "pytest>=7" "hypothesis>=6" numpy tqdm matplotlib einops
+	@# transformers ships the Hugging Face Kimi-Linear model the weight converter is tested against.
+	$(PIP) install -q transformers==5.24.0
 	@# FLA's naive KDA is an independent test oracle; the wheel is pure Python (its Triton part is not used).
 	$(PIP) install -q --no-deps fla-core==$(FLA_VERSION)
 	command -v cmake >/dev/null 2>&1 || $(PIP) install -q cmake

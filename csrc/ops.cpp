@@ -443,7 +443,9 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent(const at::Tensor& q, const at
                                                    const at::Tensor& v, const at::Tensor& g,
                                                    const at::Tensor& beta,
                                                    const FusedRecurrentOptions& o) {
-  TORCH_CHECK(q.defined() && q.dim() == 4, "kda::fused_recurrent: q must be a 4-D tensor");
+  TORCH_CHECK(q.defined(), "kda::fused_recurrent: q must be a defined tensor");
+  TORCH_CHECK(q.dim() == 4, "kda::fused_recurrent: q must be 4-D [B, T, H, K], got shape ",
+              q.sizes());
   const double scale = o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kda::fused_recurrent", "")

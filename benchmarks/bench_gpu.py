@@ -43,9 +43,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-import torch_kda
-import torch_kda.nn as kda_nn
-from torch_kda.compat import flash_kda as compat_fk
+# torch_kda is imported in main(), after the argument parsing: ``--parts warm`` runs without it
+# (it warms FLA's Triton autotuning while the native op is still being built and installed).
+torch_kda = kda_nn = compat_fk = None
 
 T0 = time.time()
 LOWER_BOUND = -5.0
@@ -154,8 +154,13 @@ def run_op(m, dtype, device, backend):
     loss = (o.to(side) * m["do"].to(side).to(device)).sum() + (ht * m["dht"].to(side).to(device)).sum()
     loss.backward()
     out = {"o": o, "final_state": ht}
-    out.update({f"d{n}": x.grad for n, x in leaf.items()})
+    out.update({f"d{n}": _grad(x) for n, x in leaf.items()})
     return {n: x.detach().double().cpu() for n, x in out.items()}
+
+
+def _grad(x: torch.Tensor) -> torch.Tensor:
+    """The gradient, or NaNs when the backend returned none (so the check fails loudly)."""
+    return x.grad if x.grad is not None else torch.full_like(x, float("nan"))
 
 
 def compare(gpu: Dict, cpu: Dict, truth: Dict) -> Dict[str, Dict[str, float]]:
@@ -192,8 +197,8 @@ def run_layer(layer, x_master, do_master, dtype, device):
     y = layer(x)
     side = torch.float64 if dtype == torch.float64 else torch.float32
     (y.to(side) * do_master.to(side).to(device)).sum().backward()
-    out = {"y": y, "dx": x.grad}
-    out.update({f"d.{n}": p.grad for n, p in layer.named_parameters()})
+    out = {"y": y, "dx": _grad(x)}
+    out.update({f"d.{n}": _grad(p) for n, p in layer.named_parameters()})
     return {n: t.detach().double().cpu() for n, t in out.items()}
 
 
@@ -246,6 +251,35 @@ def parity_compat(env: Env, shape, seed) -> Dict:
 
 # ---------------------------------------------------------------------------------------------
 # timing
+def warm_fla(shapes: List[str], head_dim: int) -> Dict[str, float]:
+    """Run FLA's chunk_kda once forward (no grad) and once forward+backward at each timed shape, with
+    exactly the arguments the timing uses, so that Triton autotunes and compiles every kernel and
+    caches the result on disk (FLA_CACHE_RESULTS=1, Triton's autotune disk cache). A later process
+    then times without autotuning. Needs only torch and fla."""
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    secs = {}
+    dev = torch.device("cuda")
+    for name in shapes:
+        B, T, H = TIMED_SHAPES[name]
+        K = head_dim
+        t1 = time.time()
+        for grad in (False, True):
+            gen = torch.Generator(device=dev).manual_seed(0)
+            r = lambda *s: torch.randn(*s, generator=gen, device=dev, dtype=torch.float32)  # noqa: E731
+            t = {n: r(B, T, H, K).to(torch.bfloat16).requires_grad_(grad) for n in ("q", "k", "v", "g")}
+            t["beta"] = r(B, T, H).to(torch.bfloat16).requires_grad_(grad)
+            t["A_log"] = (r(H) * 0.5).requires_grad_(grad)
+            t["dt_bias"] = (r(H * K) * 0.5).requires_grad_(grad)
+            with torch.set_grad_enabled(grad):
+                o, _ = fla_chunk_kda(*[t[n] for n in ("q", "k", "v", "g", "beta")], **op_kwargs(t))
+                if grad:
+                    o.backward(torch.randn_like(o))
+            torch.cuda.synchronize()
+        secs[name] = time.time() - t1
+        log(f"warm {name}: {secs[name]:.0f} s")
+    return secs
+
+
 def time_fn(env: Env, fn: Callable[[], None], reps: int) -> List[float]:
     """Per-call times in ms: CUDA events on CUDA, perf_counter on the CPU (after one warm call)."""
     times = []
@@ -575,7 +609,7 @@ def save(results: Dict, out: Path) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out/bench_gpu", help="directory for results.json / results.md")
-    ap.add_argument("--parts", default="parity,time", help="comma list of: parity, time")
+    ap.add_argument("--parts", default="parity,time", help="comma list of: parity, time; or warm alone (FLA autotuning only, no torch_kda)")
     ap.add_argument("--shapes", default=",".join(TIMED_SHAPES), help=f"timed shapes among {list(TIMED_SHAPES)}")
     ap.add_argument("--layer-shapes", default="B1-T8192-H16,B4-T2048-H16", help="timed shapes for the layer")
     ap.add_argument("--ref-shapes", default="B1-T8192-H16,B4-T2048-H16,B1-T8192-H96",
@@ -592,6 +626,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--commit", default=os.environ.get("TORCH_KDA_COMMIT", "?"))
     ap.add_argument("--dry-run", action="store_true", help="CPU only, reference backend as the GPU stand-in, tiny shapes")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if parts == {"warm"}:
+        if args.dry_run or not torch.cuda.is_available():
+            print("--parts warm needs CUDA and fla", file=sys.stderr)
+            return 2
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        secs = warm_fla(args.shapes.split(","), args.head_dim)
+        (out / f"warm_{'_'.join(args.shapes.split(','))}.json").write_text(json.dumps(secs))
+        return 0
+    global torch_kda, kda_nn, compat_fk
+    import torch_kda  # noqa: F811
+    import torch_kda.nn as kda_nn  # noqa: F811
+    from torch_kda.compat import flash_kda as compat_fk  # noqa: F811
 
     if args.dry_run:
         args.head_dim = 16
@@ -607,7 +655,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = Path(args.out)
     results: Dict = {"env": environment(env, args), "parity": [], "timing": []}
     log(f"env: {json.dumps(results['env'], default=str)}")
-    parts = set(args.parts.split(","))
     ps = tuple(int(v) for v in args.parity_shape.split(","))
 
     if "parity" in parts:

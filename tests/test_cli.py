@@ -1,0 +1,162 @@
+"""The command line ``python -m torch_kda demo | bench | check``, run against the installed package.
+
+The runs that matter to a user (``demo``, ``check``, ``bench``) are subprocesses
+(``sys.executable -m torch_kda``), as a user runs them; argument errors and ``--help`` call
+``torch_kda.__main__.main`` in-process (each subprocess pays the torch import). Sizes are tiny so
+the module finishes in well under a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import torch_kda
+from torch_kda.__main__ import main
+
+# A tiny model and few steps: seconds, not minutes.
+TINY = ["--steps", "3", "--seq-len", "32", "--batch-size", "2", "--dim", "32", "--heads", "1",
+        "--head-dim", "16", "--gen-len", "8", "--no-progress"]
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+    return subprocess.run([sys.executable, "-m", "torch_kda", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def call_main(args, capsys):
+    """``main(args)`` in-process: (exit status, stdout, stderr); argparse's SystemExit included."""
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def python_text(tmp_path_factory) -> Path:
+    """A real text file (this package's own sources concatenated), large enough to train on."""
+    root = Path(torch_kda.__file__).parent
+    data = b"".join(p.read_bytes() for p in sorted(root.rglob("*.py")))
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "check"])
+def test_each_subcommand_has_help(command, capsys):
+    code, out, _ = call_main([command, "--help"], capsys)
+    assert code == 0
+    assert "usage:" in out and command in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["demo", "--steps", "0"], "--steps: expected a positive integer, got 0"),
+    (["demo", "--seq-len", "-5"], "--seq-len: expected a positive integer, got -5"),
+    (["demo", "--batch-size", "two"], "--batch-size: expected a positive integer, got 'two'"),
+    (["demo", "--lr", "0"], "--lr: expected a positive number"),
+    (["--steps", "0"], "--steps: expected a positive integer"),  # no command means demo
+    (["demo", "--backend", "cuda"], "invalid choice"),
+    (["bench", "--seq-lens", "0"], "expected a positive integer"),
+    (["check", "--tol", "-1"], "--tol: expected a positive number"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_exit_2_with_message(args, message, capsys):
+    code, _, err = call_main(args, capsys)
+    assert code == 2
+    assert message in err
+
+
+def test_bad_argument_in_a_subprocess_exits_2_without_traceback():
+    res = run_cli("demo", "--steps", "-1")
+    assert res.returncode == 2
+    assert "--steps: expected a positive integer, got -1" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_missing_text_file_exits_2(tmp_path, capsys):
+    code, _, err = call_main(["demo", "--text", str(tmp_path / "nope.txt"), *TINY], capsys)
+    assert code == 2
+    assert "--text: file not found" in err and "nope.txt" in err
+
+
+def test_empty_text_file_exits_2(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    code, _, err = call_main(["demo", "--text", str(empty), *TINY], capsys)
+    assert code == 2
+    assert "--text: the file is empty" in err
+
+
+def test_directory_as_text_exits_2(tmp_path, capsys):
+    code, _, err = call_main(["demo", "--text", str(tmp_path), *TINY], capsys)
+    assert code == 2
+    assert "--text: not a regular file" in err
+
+
+def test_seq_len_longer_than_text_exits_2(python_text, capsys):
+    code, _, err = call_main(["demo", "--text", str(python_text), *TINY, "--seq-len", "100000000"], capsys)
+    assert code == 2
+    assert "--seq-len: expected at most" in err
+
+
+def test_tiny_demo_trains_checks_decoding_and_writes_the_plot(tmp_path):
+    out = tmp_path / "out"
+    res = run_cli("demo", *TINY, "--out", str(out), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    text = res.stdout
+    assert "unigram (byte-frequency) entropy" in text
+    assert "Python standard library" in text
+    assert "held-out loss" in text
+    assert "cached decoding vs full forward" in text and "PASS" in text
+    if torch_kda.available_backends()["native"].available:
+        assert "gradient check (step 1, on its batch): native vs reference" in text
+    else:
+        assert "native backend is unavailable" in text
+    png = out / "demo_loss.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(png.resolve()) in text
+    metrics = json.loads((out / "demo_metrics.json").read_text())
+    assert len(metrics["train_losses"]) == 3
+    assert metrics["cache_max_rel_diff"] < 1e-4
+    assert 0 < metrics["unigram_entropy"] < 8
+
+
+def test_demo_is_the_default_command_and_reads_text(tmp_path, python_text, capsys):
+    code, out, _ = call_main([*TINY, "--text", str(python_text), "--out", str(tmp_path), "--seed", "3"], capsys)
+    assert code == 0, out
+    assert str(python_text) in out
+    assert "seed 3" in out
+    assert (tmp_path / "demo_loss.png").is_file()
+
+
+def test_check_passes_and_prints_the_table():
+    res = run_cli("check")
+    assert res.returncode == 0, res.stdout + res.stderr
+    for needle in ("case", "backend", "fwd err", "grad err", "GVA", "varlen", "bounded gate",
+                   "state_v_first", "reference (chunk)", "PASS"):
+        assert needle in res.stdout
+    assert "FAIL" not in res.stdout
+    if torch_kda.available_backends()["native"].available:
+        assert "native (chunk_kda)" in res.stdout
+
+
+def test_check_fails_with_an_impossible_tolerance(capsys):
+    code, out, _ = call_main(["check", "--tol", "1e-30"], capsys)
+    assert code == 1
+    assert "FAIL" in out
+
+
+def test_bench_writes_table_and_plot(tmp_path, capsys):
+    code, out, _ = call_main(["bench", "--quick", "--seq-lens", "16", "32", "--heads", "1", "--head-dim", "8",
+                              "--min-time", "0.01", "--out", str(tmp_path)], capsys)
+    assert code == 0, out
+    assert "tokens/s" in out and "reference fwd" in out
+    assert (tmp_path / "bench_tokens_per_s.png").is_file()

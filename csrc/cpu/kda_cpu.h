@@ -49,17 +49,21 @@ inline at::ScalarType compute_dtype(const at::Tensor& q) {
 // Per-token pre-processing (l2 norm, scale, gate, decay, sigmoid beta) into contiguous buffers of
 // the compute dtype. Shared by the forward and the backward (which recomputes it).
 struct Prepared {
-  at::Tensor q;      // [BT, H, K]   scale * qhat
-  at::Tensor qhat;   // [BT, H, K]   l2norm(q) (or q)
-  at::Tensor q_rnorm;// [BT, H, 1]   1 / sqrt(sum q^2 + 1e-6)   (only with l2 norm)
-  at::Tensor k;      // [BT, H, K]   l2norm(k) (or k)
-  at::Tensor k_rnorm;// [BT, H, 1]
-  at::Tensor g;      // [BT, HV, K]  log decay
-  at::Tensor z;      // [BT, HV, K]  gate pre-activation g_raw + dt_bias (gate in op)
-  at::Tensor gate_s; // [BT, HV, K]  sigmoid used by the gate (gate in op)
-  at::Tensor a;      // [BT, HV, K]  exp(g)
-  at::Tensor beta;   // [BT, HV]     write strength
-  at::Tensor v;      // [BT, HV, V]
+  // Kernel inputs, head-major and contiguous:
+  at::Tensor q;       // [H, BT, K]   scale * qhat
+  at::Tensor k_hm;    // [H, BT, K]   khat
+  at::Tensor a;       // [HV, BT, K]  exp(g)
+  at::Tensor beta_hm; // [HV, BT]     write strength
+  at::Tensor v;       // [BT, HV, V]
+  // For the backward's chain rule, in token-major logical shapes (views may be strided):
+  at::Tensor qhat;    // [BT, H, K]   l2norm(q) (or q)
+  at::Tensor q_rnorm; // [BT, H, 1]   1 / sqrt(sum q^2 + 1e-6)   (only with l2 norm)
+  at::Tensor k;       // [BT, H, K]   khat (a view of k_hm)
+  at::Tensor k_rnorm; // [BT, H, 1]
+  at::Tensor g;       // [BT, HV, K]  log decay
+  at::Tensor z;       // [BT, HV, K]  gate pre-activation g_raw + dt_bias (gate in op)
+  at::Tensor gate_s;  // [BT, HV, K]  sigmoid used by the gate (gate in op)
+  at::Tensor beta;    // [BT, HV]     write strength (a view of beta_hm)
 };
 Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d);
 

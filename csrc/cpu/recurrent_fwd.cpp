@@ -16,20 +16,29 @@ at::Tensor rnorm(const at::Tensor& x) {
 
 Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d) {
   const auto ct = compute_dtype(in.q);
+  const auto opts = in.q.options().dtype(ct);
   const int64_t BT = d.B * d.T;
+  // Head-major storage for the kernels, written through [BT, heads, ...] views.
+  auto head_major = [&](int64_t heads, int64_t inner, at::Tensor& storage) {
+    storage = inner ? at::empty({heads, BT, inner}, opts) : at::empty({heads, BT}, opts);
+    return inner ? storage.permute({1, 0, 2}) : storage.t();
+  };
   Prepared p;
   auto q = in.q.to(ct).reshape({BT, d.H, d.K});
   auto k = in.k.to(ct).reshape({BT, d.H, d.K});
+  at::Tensor q_view = head_major(d.H, d.K, p.q);
+  at::Tensor k_view = head_major(d.H, d.K, p.k_hm);
   if (cfg.use_qk_l2norm_in_kernel) {
     p.q_rnorm = rnorm(q);
     p.k_rnorm = rnorm(k);
     p.qhat = q * p.q_rnorm;
-    p.k = (k * p.k_rnorm).contiguous();
+    at::mul_out(k_view, k, p.k_rnorm);
   } else {
     p.qhat = q;
-    p.k = k.contiguous();
+    k_view.copy_(k);
   }
-  p.q = (p.qhat * cfg.scale).contiguous();
+  p.k = k_view;
+  at::mul_out(q_view, p.qhat, at::scalar_tensor(cfg.scale, opts));
 
   auto g = in.g.to(ct).reshape({BT, d.HV, d.K});
   if (cfg.use_gate_in_kernel) {
@@ -49,14 +58,18 @@ Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d) {
   } else {
     p.g = g;
   }
-  p.a = at::exp(p.g).contiguous();
+  at::Tensor a_view = head_major(d.HV, d.K, p.a);
+  at::exp_out(a_view, p.g);
 
   auto beta = in.beta.to(ct).reshape({BT, d.HV});
+  at::Tensor b_view = head_major(d.HV, 0, p.beta_hm);
   if (cfg.use_beta_sigmoid_in_kernel) {
-    beta = at::sigmoid(beta);
-    if (cfg.allow_neg_eigval) beta = beta * 2.0;
+    at::sigmoid_out(b_view, beta);
+    if (cfg.allow_neg_eigval) p.beta_hm.mul_(2.0);
+  } else {
+    b_view.copy_(beta);
   }
-  p.beta = beta.contiguous();
+  p.beta = b_view;
   p.v = in.v.to(ct).reshape({BT, d.HV, d.V}).contiguous();
   return p;
 }
@@ -111,14 +124,15 @@ void run_fwd(const Prepared& p, const Dims& d, const Sequences& seqs, const at::
              const at::Tensor& o, const at::Tensor& ht, const at::Tensor& ckpt) {
   kernels::FwdArgs<T> A;
   A.seqs = seq_info(seqs);
+  A.BT = d.B * d.T;
   A.H = d.H;
   A.HV = d.HV;
   A.K = d.K;
   A.V = d.V;
   A.q = p.q.data_ptr<T>();
-  A.k = p.k.data_ptr<T>();
+  A.k = p.k_hm.data_ptr<T>();
   A.a = p.a.data_ptr<T>();
-  A.beta = p.beta.data_ptr<T>();
+  A.beta = p.beta_hm.data_ptr<T>();
   A.v = p.v.data_ptr<T>();
   A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
   A.o = o.data_ptr<T>();
@@ -132,15 +146,22 @@ void run_fwd(const Prepared& p, const Dims& d, const Sequences& seqs, const at::
       return tab.fwd_f64;
     }
   }();
+  // Units: (sequence, value head, group of V-slices). Fewer groups means the q/k/decay rows of a
+  // token block are reused from cache by more slices; more groups give threads work when there
+  // are few heads. Each column is computed the same way whatever the grouping, so the result
+  // does not depend on it (nor on the thread count).
   const int64_t n_slices = (d.V + kernels::kFwdSlice - 1) / kernels::kFwdSlice;
-  const int64_t units = d.N * d.HV * n_slices;
+  const int64_t heads = std::max<int64_t>(1, d.N * d.HV);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t groups =
+      std::max<int64_t>(1, std::min(n_slices, (2 * threads + heads - 1) / heads));
+  const int64_t units = d.N * d.HV * groups;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t s = u % n_slices;
-      const int64_t hv = (u / n_slices) % d.HV;
-      const int64_t n = u / (n_slices * d.HV);
-      const int64_t j0 = s * kernels::kFwdSlice;
-      fn(A, n, hv, j0, std::min(kernels::kFwdSlice, d.V - j0));
+      const int64_t gi = u % groups;
+      const int64_t hv = (u / groups) % d.HV;
+      const int64_t n = u / (groups * d.HV);
+      fn(A, n, hv, gi * n_slices / groups, (gi + 1) * n_slices / groups);
     }
   });
 }

@@ -75,7 +75,7 @@ class Scratch {
 
 template <typename T>
 inline vec_t<T> splat(T x) {
-  return vec_t<T>{} + x;
+  return x - vec_t<T>{};  // x - 0 == x exactly (also for -0), so this is a plain broadcast
 }
 
 // Loads m valid elements (m may be <= 0 or >= lanes); the rest of the vector is zero.
@@ -214,63 +214,123 @@ inline void write_step(vec_t<T>* Sout, const vec_t<T>* Sin, const vec_t<T> (&u)[
   }
 }
 
+// Forward of tokens [t0, t1) of sequence n for one slice of columns [j0, j0 + width).
+// S (K x NV vectors) and r (the read S'^T k of token t0) carry the slice between blocks.
 template <typename T, int NV>
-void fwd_slice(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t width) {
+void fwd_block(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t width, int64_t t0,
+               int64_t t1, vec_t<T>* S, vec_t<T>* r_io, const T* zeros) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   const int64_t K = A.K, Vd = A.V, H = A.H, HV = A.HV;
   const int64_t h = hv / (HV / H);
   const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
   const int64_t origin = A.seqs.origin[n], slot_base = A.seqs.slot_base[n];
-  const int64_t state_off = (n * HV + hv) * K * Vd + j0;  // in [N, HV, K, V]
-  const int64_t ckpt_off = hv * K * Vd + j0;               // in one slot of [slots, HV, K, V]
+  const int64_t ckpt_off = hv * K * Vd + j0;  // in one slot of [slots, HV, K, V]
   const int64_t slot_stride = HV * K * Vd;
 
-  Scratch<V> S(K * NV);
-  const Scratch<T> zeros(K);
-  load_slice<T, NV>(S.data(), A.h0 ? A.h0 + state_off : nullptr, K, Vd, width);
-
-  V r[NV] = {};
-  if (ts < te) {
-    decayed_key_read<T, NV>(r, S.data(), A.a + (ts * HV + hv) * K, A.k + (ts * H + h) * K, K);
+  V r[NV];
+  if (t0 == ts) {
+    decayed_key_read<T, NV>(r, S, A.a + (hv * A.BT + ts) * K, A.k + (h * A.BT + ts) * K, K);
+  } else {
+    for (int cc = 0; cc < NV; ++cc) r[cc] = r_io[cc];
   }
-  for (int64_t t = ts; t < te; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     if (A.ckpt && (t - origin) % kChunk == 0) {
       const int64_t slot = slot_base + (t - origin) / kChunk;
-      store_slice<T, NV>(A.ckpt + slot * slot_stride + ckpt_off, S.data(), K, Vd, width);
+      store_slice<T, NV>(A.ckpt + slot * slot_stride + ckpt_off, S, K, Vd, width);
     }
-    const T* at = A.a + (t * HV + hv) * K;
-    const T* kt = A.k + (t * H + h) * K;
-    const T* qt = A.q + (t * H + h) * K;
-    const T* an = zeros.data();
-    const T* kn = zeros.data();
+    const T* at = A.a + (hv * A.BT + t) * K;
+    const T* kt = A.k + (h * A.BT + t) * K;
+    const T* qt = A.q + (h * A.BT + t) * K;
+    const T* an = zeros;
+    const T* kn = zeros;
     if (t + 1 < te) {
-      an = A.a + ((t + 1) * HV + hv) * K;
-      kn = A.k + ((t + 1) * H + h) * K;
+      an = A.a + (hv * A.BT + (t + 1)) * K;
+      kn = A.k + (h * A.BT + (t + 1)) * K;
     }
-    const V b = splat<T>(A.beta[t * HV + hv]);
+    const V b = splat<T>(A.beta[hv * A.BT + t]);
     const T* vt = A.v + (t * HV + hv) * Vd + j0;
     V u[NV];
     for (int cc = 0; cc < NV; ++cc) u[cc] = b * (load_cols(vt + cc * L, width - cc * L) - r[cc]);
     V o[NV];
-    write_step<T, NV, true>(S.data(), S.data(), u, at, kt, qt, an, kn, K, o, r);
+    write_step<T, NV, true>(S, S, u, at, kt, qt, an, kn, K, o, r);
     T* ot = A.o + (t * HV + hv) * Vd + j0;
     for (int cc = 0; cc < NV; ++cc) {
       if (width - cc * L > 0) store_cols(ot + cc * L, o[cc], width - cc * L);
     }
   }
-  store_slice<T, NV>(A.ht + state_off, S.data(), K, Vd, width);
+  for (int cc = 0; cc < NV; ++cc) r_io[cc] = r[cc];
 }
 
+// Forward of slices [s_begin, s_end) (kFwdSlice columns each) of value head hv of sequence n.
+// Time-blocked: a block of tokens runs through every slice before the next block, so the
+// block's q/k/decay rows are read from memory once and reused from cache by all slices, while
+// each slice's state stays in L1 during its block.
 template <typename T>
-void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t width) {
+void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end) {
+  using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
-  const int64_t nv = (width + L - 1) / L;
-  if (nv <= 1) return fwd_slice<T, 1>(A, n, hv, j0, width);
-  if (nv == 2) return fwd_slice<T, 2>(A, n, hv, j0, width);
-  if constexpr (kFwdSlice / L > 2) {
-    if (nv == 3) return fwd_slice<T, 3>(A, n, hv, j0, width);
-    return fwd_slice<T, (kFwdSlice / L > 3 ? 4 : 3)>(A, n, hv, j0, width);
+  constexpr int64_t NVmax = (kFwdSlice + L - 1) / L;
+  constexpr int64_t kBlock = 64;
+  const int64_t K = A.K, Vd = A.V, HV = A.HV;
+  const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
+  const int64_t n_sl = s_end - s_begin;
+  Scratch<V> S(n_sl * K * NVmax);
+  Scratch<V> r(n_sl * NVmax);
+  const Scratch<T> zeros(K);
+  const int64_t state_base = (n * HV + hv) * K * Vd;  // in [N, HV, K, V]
+  auto slice = [&](int64_t i, int64_t& j0, int64_t& width, int64_t& nv) {
+    j0 = (s_begin + i) * kFwdSlice;
+    width = imin(kFwdSlice, Vd - j0);
+    nv = (width + L - 1) / L;
+  };
+  for (int64_t i = 0; i < n_sl; ++i) {
+    int64_t j0, width, nv;
+    slice(i, j0, width, nv);
+    V* Si = S.data() + i * K * NVmax;
+    const T* src = A.h0 ? A.h0 + state_base + j0 : nullptr;
+    if (nv <= 1) {
+      load_slice<T, 1>(Si, src, K, Vd, width);
+    } else if (nv == 2) {
+      load_slice<T, 2>(Si, src, K, Vd, width);
+    } else if (nv == 3) {
+      load_slice<T, 3>(Si, src, K, Vd, width);
+    } else {
+      load_slice<T, 4>(Si, src, K, Vd, width);
+    }
+  }
+  for (int64_t t0 = ts; t0 < te; t0 += kBlock) {
+    const int64_t t1 = imin(te, t0 + kBlock);
+    for (int64_t i = 0; i < n_sl; ++i) {
+      int64_t j0, width, nv;
+      slice(i, j0, width, nv);
+      V* Si = S.data() + i * K * NVmax;
+      V* ri = r.data() + i * NVmax;
+      if (nv <= 1) {
+        fwd_block<T, 1>(A, n, hv, j0, width, t0, t1, Si, ri, zeros.data());
+      } else if (nv == 2 || NVmax <= 2) {
+        fwd_block<T, (NVmax >= 2 ? 2 : 1)>(A, n, hv, j0, width, t0, t1, Si, ri, zeros.data());
+      } else if (nv == 3 || NVmax <= 3) {
+        fwd_block<T, (NVmax >= 3 ? 3 : 1)>(A, n, hv, j0, width, t0, t1, Si, ri, zeros.data());
+      } else {
+        fwd_block<T, (NVmax >= 4 ? 4 : 1)>(A, n, hv, j0, width, t0, t1, Si, ri, zeros.data());
+      }
+    }
+  }
+  for (int64_t i = 0; i < n_sl; ++i) {
+    int64_t j0, width, nv;
+    slice(i, j0, width, nv);
+    V* Si = S.data() + i * K * NVmax;
+    T* dst = A.ht + state_base + j0;
+    if (nv <= 1) {
+      store_slice<T, 1>(dst, Si, K, Vd, width);
+    } else if (nv == 2) {
+      store_slice<T, 2>(dst, Si, K, Vd, width);
+    } else if (nv == 3) {
+      store_slice<T, 3>(dst, Si, K, Vd, width);
+    } else {
+      store_slice<T, 4>(dst, Si, K, Vd, width);
+    }
   }
 }
 
@@ -305,29 +365,29 @@ void bwd_slice(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
         load_slice<T, NV>(Sbuf, A.ckpt + (slot_base + c) * slot_stride + ckpt_off, K, Vd, width);
       }
       V r[NV];
-      decayed_key_read<T, NV>(r, Sbuf, A.a + (s0 * HV + hv) * K, A.k + (s0 * H + h) * K, K);
+      decayed_key_read<T, NV>(r, Sbuf, A.a + (hv * A.BT + s0) * K, A.k + (h * A.BT + s0) * K, K);
       for (int64_t t = s0; t < e; ++t) {
         const int64_t slot = t - s0;
         for (int cc = 0; cc < NV; ++cc) rbuf[slot * NV + cc] = r[cc];
         if (t + 1 == e) break;
-        const V b = splat<T>(A.beta[t * HV + hv]);
+        const V b = splat<T>(A.beta[hv * A.BT + t]);
         const T* vt = A.v + (t * HV + hv) * Vd + j0;
         V u[NV];
         for (int cc = 0; cc < NV; ++cc) u[cc] = b * (load_cols(vt + cc * L, width - cc * L) - r[cc]);
         V unused[NV];
         write_step<T, NV, false>(Sbuf + (slot + 1) * KN, Sbuf + slot * KN, u,
-                                 A.a + (t * HV + hv) * K, A.k + (t * H + h) * K, zeros,
-                                 A.a + ((t + 1) * HV + hv) * K, A.k + ((t + 1) * H + h) * K, K,
+                                 A.a + (hv * A.BT + t) * K, A.k + (h * A.BT + t) * K, zeros,
+                                 A.a + (hv * A.BT + (t + 1)) * K, A.k + (h * A.BT + (t + 1)) * K, K,
                                  unused, r);
       }
       // Backward through the chunk, last token first.
       for (int64_t t = e - 1; t >= s0; --t) {
         const int64_t slot = t - s0;
         const V* Sp = Sbuf + slot * KN;  // S_{t-1}
-        const T* at = A.a + (t * HV + hv) * K;
-        const T* kt = A.k + (t * H + h) * K;
-        const T* qt = A.q + (t * H + h) * K;
-        const T bs = A.beta[t * HV + hv];
+        const T* at = A.a + (hv * A.BT + t) * K;
+        const T* kt = A.k + (h * A.BT + t) * K;
+        const T* qt = A.q + (h * A.BT + t) * K;
+        const T bs = A.beta[hv * A.BT + t];
         const V b = splat<T>(bs);
         V r_[NV], u[NV], dov[NV];
         const T* dot = A.dout + (t * HV + hv) * Vd + j0;

@@ -30,14 +30,16 @@ struct SeqInfo {
   const int64_t* slot_base = nullptr;
 };
 
+// The pre-processed per-token inputs are head-major ([H, BT, K]: one head's tokens contiguous),
+// so a unit streams contiguous memory; v, o and the gradients keep the [BT, HV, ...] layout.
 template <typename T>
 struct FwdArgs {
   SeqInfo seqs;
-  int64_t H = 0, HV = 0, K = 0, V = 0;
-  const T* q = nullptr;     // [BT, H, K]   scale * l2norm(q) (already pre-processed)
-  const T* k = nullptr;     // [BT, H, K]   l2norm(k)
-  const T* a = nullptr;     // [BT, HV, K]  per-channel decay exp(g)
-  const T* beta = nullptr;  // [BT, HV]
+  int64_t BT = 0, H = 0, HV = 0, K = 0, V = 0;
+  const T* q = nullptr;     // [H, BT, K]   scale * l2norm(q) (already pre-processed)
+  const T* k = nullptr;     // [H, BT, K]   l2norm(k)
+  const T* a = nullptr;     // [HV, BT, K]  per-channel decay exp(g)
+  const T* beta = nullptr;  // [HV, BT]
   const T* v = nullptr;     // [BT, HV, V]
   const T* h0 = nullptr;    // [N, HV, K, V] or null (zeros)
   T* o = nullptr;           // [BT, HV, V]
@@ -48,8 +50,8 @@ struct FwdArgs {
 template <typename T>
 struct BwdArgs {
   SeqInfo seqs;
-  int64_t H = 0, HV = 0, K = 0, V = 0;
-  const T* q = nullptr;     // as in FwdArgs
+  int64_t BT = 0, H = 0, HV = 0, K = 0, V = 0;
+  const T* q = nullptr;     // as in FwdArgs (head-major)
   const T* k = nullptr;
   const T* a = nullptr;
   const T* beta = nullptr;
@@ -71,9 +73,9 @@ struct BwdArgs {
 
 struct Table {
   const char* isa;
-  // Forward of columns [j0, j0 + width) of value head hv of sequence n; width <= kFwdSlice.
-  void (*fwd_f32)(const FwdArgs<float>&, int64_t n, int64_t hv, int64_t j0, int64_t width);
-  void (*fwd_f64)(const FwdArgs<double>&, int64_t n, int64_t hv, int64_t j0, int64_t width);
+  // Forward of slices [s_begin, s_end) (kFwdSlice columns each) of value head hv of sequence n.
+  void (*fwd_f32)(const FwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end);
+  void (*fwd_f64)(const FwdArgs<double>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end);
   // Backward of slices [s_begin, s_end) (kBwdSlice columns each) of (n, hv), writing partial p.
   void (*bwd_f32)(const BwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
                   int64_t p);

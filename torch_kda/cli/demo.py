@@ -39,6 +39,8 @@ __all__ = ["add_arguments", "run", "DemoError"]
 
 #: Gradient check: relative error of native vs reference parameter gradients that counts as a pass.
 GRAD_TOL = 1e-3
+#: Default number of training steps per backend: about 2 minutes of compute on 2 idle cores.
+DEFAULT_STEPS = {"native": 500, "reference": 150}
 #: Cached decoding vs full forward: maximum relative logit difference that counts as a pass.
 CACHE_TOL = 1e-4
 
@@ -52,10 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add the ``demo`` options to ``p``."""
     p.add_argument("--text", metavar="FILE", default=None,
                    help="train on this text file (default: the .py sources of Python's standard library)")
-    p.add_argument("--steps", type=positive_int, default=300, help="training steps (default: %(default)s)")
-    p.add_argument("--seq-len", type=positive_int, default=128,
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help=f"training steps (default: {DEFAULT_STEPS['native']} on the native backend, "
+                        f"{DEFAULT_STEPS['reference']} on the ~4x slower reference: about 2 minutes of 2 cores)")
+    p.add_argument("--seq-len", type=positive_int, default=256,
                    help="bytes per training sequence (default: %(default)s)")
-    p.add_argument("--batch-size", type=positive_int, default=8,
+    p.add_argument("--batch-size", type=positive_int, default=16,
                    help="sequences per step (default: %(default)s)")
     p.add_argument("--lr", type=positive_float, default=3e-3, help="peak AdamW learning rate (default: %(default)s)")
     p.add_argument("--backend", choices=("auto", "native", "reference"), default="auto",
@@ -71,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="held-out evaluation interval in steps (default: steps / 10)")
     p.add_argument("--gen-len", type=positive_int, default=160,
                    help="bytes to generate at the end (default: %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help=f"torch threads (default: torch's choice, {torch.get_num_threads()} here)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs and tests)")
 
 
@@ -206,9 +212,14 @@ def run(args: argparse.Namespace) -> int:
             the held-out text (exit status 2).
     """
     t_start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     train_backend, native_ok, native_reason = _resolve_backend(args.backend)
+    default_steps = args.steps is None
+    if default_steps:
+        args.steps = DEFAULT_STEPS[train_backend]
 
     corpus: Corpus = load_corpus(args.text)
     if corpus.val.numel() < args.seq_len + 2 or corpus.train.numel() < args.seq_len + 2:
@@ -228,8 +239,9 @@ def run(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"  model     {cfg.n_layers} x [KimiDeltaAttention({cfg.num_heads} heads x {cfg.head_dim}) + SwiGLU MLP], "
           f"width {cfg.dim}, {n_params / 1e6:.2f}M parameters")
-    print(f"  training  {args.steps} steps x {args.batch_size} x {args.seq_len} bytes, AdamW lr {args.lr:g}, "
-          f"seed {args.seed}, {torch.get_num_threads()} threads, backend '{train_backend}'"
+    print(f"  training  {args.steps} steps{' (the default on ' + repr(train_backend) + ')' if default_steps else ''} "
+          f"x {args.batch_size} x {args.seq_len} bytes, AdamW lr {args.lr:g}, seed {args.seed}, "
+          f"{torch.get_num_threads()} threads, backend '{train_backend}'"
           + (" (auto)" if args.backend == "auto" else ""))
     if not native_ok:
         print(f"  NOTE      the native backend is unavailable: {native_reason}")

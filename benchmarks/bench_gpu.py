@@ -22,7 +22,11 @@ installed, one run does:
 ``"fla"`` (and ``torch_kda.reference.chunk_kda`` for FLA's own op), tiny shapes, wall-clock timing.
 
 Run from outside the source tree (or as ``python benchmarks/bench_gpu.py``) so that the installed
-package, with its native library, is imported.
+package, with its native library, is imported. On a fresh GPU machine FLA's Triton autotuning takes
+~4 minutes per set of autotune keys (head count, dtype, ...): ``--parts warm --shapes ...`` does it in
+separate processes (in parallel with each other and with the native build) and leaves the results in
+Triton's on-disk autotune cache (``FLA_CACHE_RESULTS=1``) for the timing process. The exact commands
+and results of the H200 run are in ``benchmarks/results_gpu/`` and ``docs/benchmarks_gpu.md``.
 """
 
 from __future__ import annotations
@@ -402,6 +406,9 @@ def time_reference(env: Env, name: str, shape, args) -> Dict:
     B, T, H = shape
     K = args.head_dim
     res = {"shape": name}
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     try:
         t = op_timing_inputs(env, B, T, H, K, torch.bfloat16)
         pos = [t[n] for n in ("q", "k", "v", "g", "beta")]

@@ -10,10 +10,10 @@
 The math is specified in KDA_SPEC.md (Kimi Linear report, arXiv 2510.26692).
 """
 
-from . import reference
+from . import compat, reference
 from .api import BACKENDS, BackendStatus, available_backends, chunk_kda, fused_recurrent_kda, kda_gate
 
 __version__ = "0.1.0"
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "kda_gate", "available_backends", "BackendStatus",
-           "BACKENDS", "reference", "__version__"]
+           "BACKENDS", "reference", "compat", "__version__"]

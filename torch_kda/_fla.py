@@ -13,18 +13,28 @@ import torch
 from ._checks import KDAInputs
 
 
+_UNKNOWN = object()
+_unavailable_reason = _UNKNOWN  # cached: both facts are fixed for the life of the process
+
+
 def unavailable_reason() -> Optional[str]:
     """None when FLA can run here, else why not (checked without importing ``fla``)."""
-    if importlib.util.find_spec("fla") is None:
-        return "flash-linear-attention is not installed (pip install fla-core)"
-    if not torch.cuda.is_available():
-        return "flash-linear-attention needs a CUDA device; none is available"
-    return None
+    global _unavailable_reason
+    if _unavailable_reason is _UNKNOWN:
+        if importlib.util.find_spec("fla") is None:
+            _unavailable_reason = "flash-linear-attention is not installed (pip install fla-core)"
+        elif not torch.cuda.is_available():
+            _unavailable_reason = "flash-linear-attention needs a CUDA device; none is available"
+        else:
+            _unavailable_reason = None
+    return _unavailable_reason
 
 
 def _kwargs(x: KDAInputs) -> dict:
+    # FLA 0.6 asserts an fp32 initial state; ours may be any float dtype.
+    initial_state = None if x.initial_state is None else x.initial_state.float()
     return dict(
-        scale=x.scale, initial_state=x.initial_state, output_final_state=x.output_final_state,
+        scale=x.scale, initial_state=initial_state, output_final_state=x.output_final_state,
         use_qk_l2norm_in_kernel=x.use_qk_l2norm_in_kernel, use_gate_in_kernel=x.use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=x.use_beta_sigmoid_in_kernel, allow_neg_eigval=x.allow_neg_eigval,
         lower_bound=x.lower_bound, state_v_first=x.state_v_first, cu_seqlens=x.cu_seqlens,
@@ -44,6 +54,8 @@ def _require_cuda(x: KDAInputs) -> None:
 def chunk(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """FLA's ``fla.ops.kda.chunk_kda`` with the same arguments."""
     _require_cuda(x)
+    if x.chunk_size not in (32, 64):
+        raise ValueError(f"backend='fla' supports chunk_size 32 or 64, got {x.chunk_size}")
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     return fla_chunk_kda(x.q, x.k, x.v, x.g, x.beta, safe_gate=x.safe_gate,

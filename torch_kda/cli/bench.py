@@ -4,8 +4,8 @@ For each available CPU backend (``native``, and the ``reference`` in its chunkwi
 training uses) and each sequence length T, times the functional op :func:`torch_kda.chunk_kda`
 with the gate, the q/k L2 norms and the beta sigmoid in the op (the layer's configuration), B = 1,
 H = HV heads of K = V, fp32: forward alone (no autograd), and forward + backward. Each time is the
-median of several runs after a warm-up. Prints a table (tokens/s and native's speed-up) and writes
-a PNG of tokens/s by T per backend. ``--quick`` is a subset that runs in about a minute on 2 cores.
+best of several runs after a warm-up (the least disturbed by other processes). Prints a table
+(tokens/s and native's speed-up) and writes a PNG of tokens/s by T per backend. ``--quick`` is a subset that runs in about a minute on 2 cores.
 
 The full measured comparison of the project (FLA's naive reference, ``torch.compile``, % of GEMM
 peak, memory) is ``benchmarks/bench_cpu.py`` in the source tree; this command is the quick look an
@@ -15,7 +15,6 @@ installed package can take.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -23,7 +22,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..api import available_backends, chunk_kda
-from .common import UsageError, positive_int
+from .common import UsageError, positive_int, shadowing_hint
 
 __all__ = ["add_arguments", "run", "time_backend", "make_bench_inputs"]
 
@@ -55,7 +54,7 @@ def make_bench_inputs(T: int, H: int, K: int, seed: int = 0) -> Dict[str, torch.
                 use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
 
 
-def _median_time(fn: Callable[[], None], min_time: float, max_reps: int = 50) -> float:
+def _best_time(fn: Callable[[], None], min_time: float, max_reps: int = 50) -> float:
     fn()  # warm-up
     times: List[float] = []
     start = time.perf_counter()
@@ -63,7 +62,7 @@ def _median_time(fn: Callable[[], None], min_time: float, max_reps: int = 50) ->
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return min(times)  # the least disturbed run: robust on a shared machine
 
 
 def time_backend(backend: str, T: int, H: int, K: int, min_time: float) -> Dict[str, float]:
@@ -91,7 +90,7 @@ def time_backend(backend: str, T: int, H: int, K: int, min_time: float) -> Dict[
         for v in leaves.values():
             v.grad = None
 
-    return {"fwd": T / _median_time(fwd, min_time), "fwd_bwd": T / _median_time(fwd_bwd, min_time)}
+    return {"fwd": T / _best_time(fwd, min_time), "fwd_bwd": T / _best_time(fwd_bwd, min_time)}
 
 
 def _plot(path: Path, seq_lens: List[int], results: Dict[str, Dict[int, Dict[str, float]]], title: str) -> None:
@@ -142,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
           f"beta sigmoid in the op, {torch.get_num_threads()} threads{' (--quick)' if quick else ''}")
     if not status["native"].available:
         print(f"  native backend unavailable: {status['native'].reason}")
+        hint = shadowing_hint()
+        if hint:
+            print(f"  {hint}")
     t0 = time.perf_counter()
     results: Dict[str, Dict[int, Dict[str, float]]] = {b: {} for b in backends}
     for T in seq_lens:

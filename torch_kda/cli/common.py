@@ -34,3 +34,30 @@ def positive_float(text: str) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return value
+
+
+def shadowing_hint() -> str:
+    """Why the native op may be missing although it is installed, or ``""``.
+
+    ``python -m torch_kda`` run from a source checkout imports the checkout's ``torch_kda`` (the
+    current directory comes first on ``sys.path``), which has no built library, while ``pip
+    install .`` put one into site-packages. Returns a sentence saying so and what to run instead.
+    """
+    from importlib import metadata
+    from pathlib import Path
+
+    import torch_kda
+
+    here = Path(torch_kda.__file__).resolve().parent
+    try:
+        files = metadata.distribution("torch-kda").files or []
+    except metadata.PackageNotFoundError:
+        return ""
+    for f in files:
+        if f.name.startswith("libkda.") or (f.name.startswith("kda.") and f.name.endswith(".dll")):
+            lib = Path(f.locate()).resolve()
+            if lib.exists() and lib.parent != here:
+                return (f"this process imported torch_kda from {here} (the current directory shadows the "
+                        f"installed package, which has the native op in {lib.parent}); run `torch-kda ...` "
+                        f"or `python -m torch_kda` from another directory")
+    return ""

@@ -101,6 +101,23 @@ def test_directory_as_text_exits_2(tmp_path, capsys):
     assert "--text: not a regular file" in err
 
 
+def test_native_backend_without_a_build_exits_2(capsys):
+    if torch_kda.available_backends()["native"].available:
+        pytest.skip("the native backend is installed here")
+    code, _, err = call_main(["demo", "--backend", "native", *TINY], capsys)
+    assert code == 2
+    assert "--backend native: the native backend is unavailable" in err
+
+
+def test_in_process_demo_restores_the_thread_count(tmp_path, capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    code, out, _ = call_main(["demo", *TINY, "--threads", "1", "--out", str(tmp_path)], capsys)
+    assert code == 0, out
+    assert torch.get_num_threads() == before
+
+
 def test_seq_len_longer_than_text_exits_2(python_text, capsys):
     code, _, err = call_main(["demo", "--text", str(python_text), *TINY, "--seq-len", "100000000"], capsys)
     assert code == 2

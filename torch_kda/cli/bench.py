@@ -118,6 +118,15 @@ def _plot(path: Path, seq_lens: List[int], results: Dict[str, Dict[int, Dict[str
 
 
 def run(args: argparse.Namespace) -> int:
+    """Time the backends; torch's thread count is restored afterwards (see :func:`_run`)."""
+    threads = torch.get_num_threads()
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     """Time the backends, print the table, write the PNG; returns 0.
 
     Raises:

@@ -220,6 +220,15 @@ def _plot(path: Path, steps: List[int], losses: List[float], val_steps: List[int
 
 # ----------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    """Run the demo; torch's thread count is restored afterwards (see :func:`_run`)."""
+    threads = torch.get_num_threads()
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     """Run the demo with parsed ``args`` (see :func:`add_arguments`); prints as it goes.
 
     Returns:

@@ -5,7 +5,7 @@ training uses) and each sequence length T, times the functional op :func:`torch_
 with the gate, the q/k L2 norms and the beta sigmoid in the op (the layer's configuration), B = 1,
 H = HV heads of K = V, fp32: forward alone (no autograd), and forward + backward. Each time is the
 best of several runs after a warm-up (the least disturbed by other processes). Prints a table
-(tokens/s and native's speed-up) and writes a PNG of tokens/s by T per backend. ``--quick`` is a subset that runs in about a minute on 2 cores.
+(tokens/s and native's speed-up) and writes a PNG of tokens/s by T per backend. ``--quick`` is a subset that runs in under a minute on 2 cores.
 
 The full measured comparison of the project (FLA's naive reference, ``torch.compile``, % of GEMM
 peak, memory) is ``benchmarks/bench_cpu.py`` in the source tree; this command is the quick look an
@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..api import available_backends, chunk_kda
-from .common import UsageError, positive_int, shadowing_hint
+from .common import UsageError, busy_machine_threads, positive_int, shadowing_hint
 
 __all__ = ["add_arguments", "run", "time_backend", "make_bench_inputs"]
 
@@ -30,15 +30,15 @@ __all__ = ["add_arguments", "run", "time_backend", "make_bench_inputs"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add the ``bench`` options to ``p``."""
     p.add_argument("--quick", action="store_true",
-                   help="small subset, about a minute on 2 cores (T in 128..1024, H=2, K=V=64)")
+                   help="small subset, under a minute on 2 cores (T in 128..2048, H=2, K=V=64)")
     p.add_argument("--seq-lens", type=positive_int, nargs="+", default=None, metavar="T",
-                   help="sequence lengths (default: 256 1024 4096; --quick: 128 256 512 1024)")
+                   help="sequence lengths (default: 256 1024 4096; --quick: 128 256 512 1024 2048)")
     p.add_argument("--heads", type=positive_int, default=None, help="heads H = HV (default 4; --quick 2)")
     p.add_argument("--head-dim", type=positive_int, default=None, help="K = V (default 128; --quick 64)")
     p.add_argument("--backends", nargs="+", choices=("native", "reference"), default=None,
                    help="backends to time (default: every available one)")
     p.add_argument("--min-time", type=float, default=None,
-                   help="seconds of timed runs per measurement (default 1.0; --quick 0.25)")
+                   help="seconds of timed runs per measurement (default 1.0; --quick 0.5)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads (default: torch's default, %d here)" % torch.get_num_threads())
     p.add_argument("--out", metavar="DIR", default="out", help="directory for the PNG (default: ./%(default)s)")
@@ -58,7 +58,7 @@ def _best_time(fn: Callable[[], None], min_time: float, max_reps: int = 50) -> f
     fn()  # warm-up
     times: List[float] = []
     start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_reps):
+    while len(times) < 5 or (time.perf_counter() - start < min_time and len(times) < max_reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
@@ -133,10 +133,10 @@ def _run(args: argparse.Namespace) -> int:
         UsageError: ``--backends native`` without a native build, or a non-positive ``--min-time``.
     """
     quick = args.quick
-    seq_lens = sorted(set(args.seq_lens or ([128, 256, 512, 1024] if quick else [256, 1024, 4096])))
+    seq_lens = sorted(set(args.seq_lens or ([128, 256, 512, 1024, 2048] if quick else [256, 1024, 4096])))
     H = args.heads or (2 if quick else 4)
     K = args.head_dim or (64 if quick else 128)
-    min_time = args.min_time if args.min_time is not None else (0.25 if quick else 1.0)
+    min_time = args.min_time if args.min_time is not None else (0.5 if quick else 1.0)
     if not min_time > 0:
         raise UsageError(f"--min-time: expected a positive number of seconds, got {min_time}")
     status = available_backends()
@@ -144,10 +144,16 @@ def _run(args: argparse.Namespace) -> int:
     for b in backends:
         if not status[b].available:
             raise UsageError(f"--backends {b}: unavailable here: {status[b].reason}")
+    note = ""
     if args.threads:
         torch.set_num_threads(args.threads)
+    else:
+        note = busy_machine_threads()
     print(f"torch-kda bench: chunk_kda tokens/s on CPU, B=1, H=HV={H}, K=V={K}, fp32, gate + l2norm + "
-          f"beta sigmoid in the op, {torch.get_num_threads()} threads{' (--quick)' if quick else ''}")
+          f"beta sigmoid in the op, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
+          f"{' (--quick)' if quick else ''}")
+    if note:
+        print(f"  NOTE: {note}")
     if not status["native"].available:
         print(f"  native backend unavailable: {status['native'].reason}")
         hint = shadowing_hint()
@@ -175,7 +181,8 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     png = out / "bench_tokens_per_s.png"
-    _plot(png, seq_lens, results, f"KDA chunk_kda on CPU ({torch.get_num_threads()} threads), H={H}, K=V={K}, fp32")
+    _plot(png, seq_lens, results, f"KDA chunk_kda on CPU ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}), "
+                     f"H={H}, K=V={K}, fp32")
     print()
     print(f"plot: {png.resolve()}")
     print(f"done in {time.perf_counter() - t0:.1f} s")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
-__all__ = ["UsageError", "positive_int", "positive_float"]
+import torch
+
+__all__ = ["UsageError", "positive_int", "positive_float", "busy_machine_threads", "shadowing_hint"]
 
 
 class UsageError(ValueError):
@@ -60,4 +63,23 @@ def shadowing_hint() -> str:
                 return (f"this process imported torch_kda from {here} (the current directory shadows the "
                         f"installed package, which has the native op in {lib.parent}); run `torch-kda ...` "
                         f"or `python -m torch_kda` from another directory")
+    return ""
+
+
+def busy_machine_threads() -> str:
+    """On an oversubscribed machine, drop to one thread; returns a note saying so, or ``""``.
+
+    Thread pools spin at their barriers: when other processes already keep every core busy (load
+    average above the core count), two threads of this process were measured 4x slower per step
+    than one (and burned 6x the CPU time). ``--threads`` overrides this.
+    """
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return ""
+    cores = os.cpu_count() or 1
+    if torch.get_num_threads() > 1 and load > cores + 0.5:
+        torch.set_num_threads(1)
+        return (f"the machine is busy (load average {load:.1f} on {cores} cores): using 1 thread, "
+                f"since contended threads spin at their barriers and run slower (--threads N to override)")
     return ""

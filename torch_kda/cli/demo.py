@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..api import available_backends
-from .common import UsageError, positive_float, positive_int, shadowing_hint
+from .common import UsageError, busy_machine_threads, positive_float, positive_int, shadowing_hint
 from .data import Corpus, CorpusError, bits, load_corpus, unigram_entropy
 from .model import ByteLM, ByteLMConfig
 
@@ -90,25 +89,6 @@ def _resolve_backend(requested: str) -> tuple:
     if requested == "auto":
         return ("native" if status.available else "reference"), status.available, status.reason
     return requested, status.available, status.reason
-
-
-def _busy_machine_threads() -> str:
-    """On an oversubscribed machine, drop to one thread; returns a note saying so, or ``""``.
-
-    Thread pools spin at their barriers: when other processes already keep every core busy (load
-    average above the core count), two threads of this process were measured 4x slower per step
-    than one (and burned 6x the CPU time). ``--threads`` overrides this.
-    """
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return ""
-    cores = os.cpu_count() or 1
-    if torch.get_num_threads() > 1 and load > cores + 0.5:
-        torch.set_num_threads(1)
-        return (f"the machine is busy (load average {load:.1f} on {cores} cores): using 1 thread, "
-                f"faster than {cores} contended ones here (--threads N to override)")
-    return ""
 
 
 def _batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
@@ -245,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     else:
-        threads_note = _busy_machine_threads()
+        threads_note = busy_machine_threads()
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     train_backend, native_ok, native_reason = _resolve_backend(args.backend)

@@ -264,6 +264,21 @@ Grads bwd_cpu(const at::Tensor& grad_o,
 
 // ---- Meta kernels (shapes and dtypes only; symbolic sizes) ----------------------------------
 
+// Checks that need no sizes: every tensor defined and on q's device (a tensor on another device
+// can route the call to this kernel).
+void check_defined_same_device(KDA_OP_ARGS) {
+  TORCH_CHECK(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(), kOp,
+              "q, k, v, g and beta must be defined tensors");
+  check_device(k, "k", q);
+  check_device(v, "v", q);
+  check_device(g, "g", q);
+  check_device(beta, "beta", q);
+  if (initial_state && initial_state->defined()) check_device(*initial_state, "initial_state", q);
+  if (cu_seqlens && cu_seqlens->defined()) check_device(*cu_seqlens, "cu_seqlens", q);
+  if (A_log && A_log->defined()) check_device(*A_log, "A_log", q);
+  if (dt_bias && dt_bias->defined()) check_device(*dt_bias, "dt_bias", q);
+}
+
 at::ScalarType state_dtype(const at::Tensor& q) { return compute_dtype(q); }
 
 std::vector<c10::SymInt> state_shape_meta(const at::Tensor& q, const at::Tensor& v,
@@ -277,6 +292,7 @@ std::vector<c10::SymInt> state_shape_meta(const at::Tensor& q, const at::Tensor&
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_meta(KDA_OP_ARGS) {
+  check_defined_same_device(KDA_OP_FORWARD);
   const auto ct = state_dtype(q);
   auto opts = q.options().dtype(ct);
   auto o = at::empty_symint({q.sym_size(0), q.sym_size(1), v.sym_size(2), v.sym_size(3)},
@@ -296,6 +312,9 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent_meta(KDA_OP_ARGS) {
 Grads bwd_meta(const at::Tensor& grad_o,
                                  const std::optional<at::Tensor>& grad_final_state,
                                  const at::Tensor& checkpoints, KDA_OP_ARGS) {
+  check_defined_same_device(KDA_OP_FORWARD);
+  check_device(grad_o, "grad_o", q);
+  check_device(checkpoints, "checkpoints", q);
   const auto ct = state_dtype(q);
   auto empty_like_meta = [](const at::Tensor& t) {
     return at::empty_symint(t.sym_sizes(), t.options());
@@ -423,6 +442,7 @@ class FusedRecurrentFunction : public torch::autograd::Function<FusedRecurrentFu
 };
 
 std::tuple<at::Tensor, at::Tensor> fused_recurrent_autograd(KDA_OP_ARGS) {
+  check_defined_same_device(KDA_OP_FORWARD);
   auto r = FusedRecurrentFunction::apply(KDA_OP_FORWARD);
   return {r[0], r[1]};
 }

@@ -65,7 +65,9 @@ struct Prepared {
   at::Tensor gate_s;  // [BT, HV, K]  sigmoid used by the gate (gate in op)
   at::Tensor beta;    // [BT, HV]     write strength (a view of beta_hm)
 };
-Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d);
+// (csrc/cpu/kernels prep_tokens, one parallel pass.) Without for_backward only the kernel inputs
+// are made; with it also the values the chain rule needs (qhat, rnorms, g, gate_s, z).
+Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for_backward);
 
 // Sequence layout for the kernels (int64 vectors owned by the caller).
 struct Sequences {

@@ -111,7 +111,7 @@ std::vector<at::Tensor> recurrent_bwd_cpu(const at::Tensor& d_o,
   const auto ct = compute_dtype(in.q);
   const auto opts = in.q.options().dtype(ct);
   const int64_t BT = d.B * d.T;
-  const Prepared p = preprocess(in, cfg, d);
+  const Prepared p = preprocess(in, cfg, d, /*for_backward=*/true);
   const Sequences seqs = make_sequences(in, d);
   const at::Tensor h0 = state_kv(in.initial_state, cfg, ct);
   const at::Tensor dht = state_kv(d_final_state, cfg, ct);

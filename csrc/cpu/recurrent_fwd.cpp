@@ -9,67 +9,117 @@ namespace kda {
 namespace detail {
 
 namespace {
-at::Tensor rnorm(const at::Tensor& x) {
-  return at::rsqrt(x.square().sum(-1, /*keepdim=*/true) + 1e-6);
+template <typename T>
+void run_prep(const kernels::PrepArgs<T>& P) {
+  const auto& tab = kernels::table();
+  auto fn = [&]() {
+    if constexpr (std::is_same_v<T, float>) {
+      return tab.prep_f32;
+    } else {
+      return tab.prep_f64;
+    }
+  }();
+  at::parallel_for(0, P.BT, 16, [&](int64_t b, int64_t e) { fn(P, b, e); });
+}
+
+template <typename T>
+T* ptr_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
+template <typename T>
+void fill_prep(kernels::PrepArgs<T>& P, const at::Tensor& q, const at::Tensor& k,
+               const at::Tensor& g, const at::Tensor& beta, const at::Tensor& expA,
+               const at::Tensor& bias, Prepared& p) {
+  P.q = q.data_ptr<T>();
+  P.k = k.data_ptr<T>();
+  P.g = g.data_ptr<T>();
+  P.beta = beta.data_ptr<T>();
+  P.expA = ptr_or_null<T>(expA);
+  P.dt_bias = ptr_or_null<T>(bias);
+  P.q_out = p.q.data_ptr<T>();
+  P.k_out = p.k_hm.data_ptr<T>();
+  P.a_out = p.a.data_ptr<T>();
+  P.beta_out = p.beta_hm.data_ptr<T>();
+  P.q_rnorm = ptr_or_null<T>(p.q_rnorm);
+  P.k_rnorm = ptr_or_null<T>(p.k_rnorm);
+  P.g_out = ptr_or_null<T>(p.g);
+  P.s_out = ptr_or_null<T>(p.gate_s);
 }
 }  // namespace
 
-Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d) {
+Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for_backward) {
   const auto ct = compute_dtype(in.q);
   const auto opts = in.q.options().dtype(ct);
   const int64_t BT = d.B * d.T;
-  // Head-major storage for the kernels, written through [BT, heads, ...] views.
-  auto head_major = [&](int64_t heads, int64_t inner, at::Tensor& storage) {
-    storage = inner ? at::empty({heads, BT, inner}, opts) : at::empty({heads, BT}, opts);
-    return inner ? storage.permute({1, 0, 2}) : storage.t();
-  };
+  const at::Tensor q = in.q.to(ct).contiguous();
+  const at::Tensor k = in.k.to(ct).contiguous();
+  const at::Tensor g = in.g.to(ct).contiguous();
+  const at::Tensor beta = in.beta.to(ct).contiguous();
+  at::Tensor expA, bias;
+  if (cfg.use_gate_in_kernel && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
+  if (cfg.use_gate_in_kernel && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
+
   Prepared p;
-  auto q = in.q.to(ct).reshape({BT, d.H, d.K});
-  auto k = in.k.to(ct).reshape({BT, d.H, d.K});
-  at::Tensor q_view = head_major(d.H, d.K, p.q);
-  at::Tensor k_view = head_major(d.H, d.K, p.k_hm);
-  if (cfg.use_qk_l2norm_in_kernel) {
-    p.q_rnorm = rnorm(q);
-    p.k_rnorm = rnorm(k);
-    p.qhat = q * p.q_rnorm;
-    at::mul_out(k_view, k, p.k_rnorm);
-  } else {
-    p.qhat = q;
-    k_view.copy_(k);
-  }
-  p.k = k_view;
-  at::mul_out(q_view, p.qhat, at::scalar_tensor(cfg.scale, opts));
-
-  auto g = in.g.to(ct).reshape({BT, d.HV, d.K});
-  if (cfg.use_gate_in_kernel) {
-    at::Tensor z = g;
-    if (in.dt_bias) z = g + in.dt_bias->to(ct).reshape({1, d.HV, d.K});
-    p.z = z;
-    if (!cfg.lower_bound) {
-      const auto A = in.A_log->to(ct).reshape({1, d.HV, 1});
-      p.gate_s = at::sigmoid(z);
-      p.g = -at::exp(A) * at::softplus(z, 1.0, 20.0);
-    } else {
-      at::Tensor w = z;
-      if (in.A_log) w = at::exp(in.A_log->to(ct).reshape({1, d.HV, 1})) * z;
-      p.gate_s = at::sigmoid(w);
-      p.g = *cfg.lower_bound * p.gate_s;
+  p.q = at::empty({d.H, BT, d.K}, opts);
+  p.k_hm = at::empty({d.H, BT, d.K}, opts);
+  p.a = at::empty({d.HV, BT, d.K}, opts);
+  p.beta_hm = at::empty({d.HV, BT}, opts);
+  if (for_backward) {
+    if (cfg.use_qk_l2norm_in_kernel) {
+      p.q_rnorm = at::empty({BT, d.H}, opts);
+      p.k_rnorm = at::empty({BT, d.H}, opts);
     }
-  } else {
-    p.g = g;
+    if (cfg.use_gate_in_kernel) {
+      p.g = at::empty({BT, d.HV, d.K}, opts);
+      p.gate_s = at::empty({BT, d.HV, d.K}, opts);
+    }
   }
-  at::Tensor a_view = head_major(d.HV, d.K, p.a);
-  at::exp_out(a_view, p.g);
+  auto set_common = [&](auto& P) {
+    P.BT = BT;
+    P.H = d.H;
+    P.HV = d.HV;
+    P.K = d.K;
+    P.scale = cfg.scale;
+    P.l2norm = cfg.use_qk_l2norm_in_kernel;
+    P.gate = !cfg.use_gate_in_kernel ? kernels::GateMode::kNone
+             : cfg.lower_bound       ? kernels::GateMode::kBounded
+                                     : kernels::GateMode::kSoftplus;
+    P.lower_bound = cfg.lower_bound.value_or(0.0);
+    P.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
+    P.beta_mult = cfg.allow_neg_eigval ? 2.0 : 1.0;
+  };
+  if (ct == at::kDouble) {
+    kernels::PrepArgs<double> P;
+    set_common(P);
+    fill_prep<double>(P, q, k, g, beta, expA, bias, p);
+    run_prep<double>(P);
+  } else {
+    kernels::PrepArgs<float> P;
+    set_common(P);
+    fill_prep<float>(P, q, k, g, beta, expA, bias, p);
+    run_prep<float>(P);
+  }
 
-  auto beta = in.beta.to(ct).reshape({BT, d.HV});
-  at::Tensor b_view = head_major(d.HV, 0, p.beta_hm);
-  if (cfg.use_beta_sigmoid_in_kernel) {
-    at::sigmoid_out(b_view, beta);
-    if (cfg.allow_neg_eigval) p.beta_hm.mul_(2.0);
-  } else {
-    b_view.copy_(beta);
+  // Token-major views and values for the backward's chain rule.
+  p.k = p.k_hm.permute({1, 0, 2});
+  p.beta = p.beta_hm.t();
+  if (for_backward) {
+    const at::Tensor q3 = q.reshape({BT, d.H, d.K});
+    if (cfg.use_qk_l2norm_in_kernel) {
+      p.q_rnorm = p.q_rnorm.unsqueeze(-1);
+      p.k_rnorm = p.k_rnorm.unsqueeze(-1);
+      p.qhat = q3 * p.q_rnorm;
+    } else {
+      p.qhat = q3;
+    }
+    if (!cfg.use_gate_in_kernel) {
+      p.g = g.reshape({BT, d.HV, d.K});
+    } else if (cfg.lower_bound && in.A_log) {
+      p.z = g.reshape({BT, d.HV, d.K});
+      if (bias.defined()) p.z = p.z + bias.reshape({1, d.HV, d.K});
+    }
   }
-  p.beta = b_view;
   p.v = in.v.to(ct).reshape({BT, d.HV, d.V}).contiguous();
   return p;
 }
@@ -173,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recurrent_fwd_cpu(const Inputs& i
   const Dims d = check_inputs(in, cfg, /*check_values=*/true);
   const auto ct = compute_dtype(in.q);
   const auto opts = in.q.options().dtype(ct);
-  const Prepared p = preprocess(in, cfg, d);
+  const Prepared p = preprocess(in, cfg, d, /*for_backward=*/false);
   const Sequences seqs = make_sequences(in, d);
   const at::Tensor h0 = state_kv(in.initial_state, cfg, ct);
 

@@ -99,18 +99,110 @@ inline void store_cols(T* p, const vec_t<T>& x, int64_t m) {
   }
 }
 
+// Sum of the lanes of x, as a balanced tree (fixed order: deterministic).
 template <typename T>
 inline T hsum(const vec_t<T>& x) {
-  T s = 0;
-  for (int64_t l = 0; l < kLanes<T>; ++l) s += x[l];
+  T b[kLanes<T>];
+  std::memcpy(b, &x, sizeof(b));
+  for (int64_t w = kLanes<T> / 2; w >= 1; w /= 2) {
+    for (int64_t l = 0; l < w; ++l) b[l] += b[l + w];
+  }
+  return b[0];
+}
+
+template <typename T, int NV>
+inline vec_t<T> vsum_n(const vec_t<T> (&x)[NV]) {
+  vec_t<T> s = x[0];
+  for (int c = 1; c < NV; ++c) s += x[c];
   return s;
 }
 
 template <typename T, int NV>
 inline T hsum_n(const vec_t<T> (&x)[NV]) {
-  vec_t<T> s = x[0];
-  for (int c = 1; c < NV; ++c) s += x[c];
-  return hsum<T>(s);
+  return hsum<T>(vsum_n<T, NV>(x));
+}
+
+// Row sums of L = kLanes consecutive vectors w[0..L) (the per-row partial products of a slice),
+// returned as one vector in row order: a transposing tree of shuffles and adds (about 3
+// operations per row instead of a full horizontal sum per row). Fixed order: deterministic.
+#if defined(__GNUC__) && !defined(__clang__)
+#define KDA_HAVE_TRANSPOSE_REDUCE 1
+template <typename T>
+struct MaskOf;
+template <>
+struct MaskOf<float> {
+  typedef int32_t type __attribute__((vector_size(64)));
+};
+template <>
+struct MaskOf<double> {
+  typedef int64_t type __attribute__((vector_size(64)));
+};
+
+// Lane masks for one level: a/b take the first/second half of each bs-lane block of X and Y.
+template <typename T>
+inline void level_masks(int64_t bs, typename MaskOf<T>::type& ma, typename MaskOf<T>::type& mb) {
+  constexpr int64_t L = kLanes<T>;
+  int64_t o = 0;
+  for (int64_t m = 0; m < L / bs; ++m) {
+    for (int64_t l = 0; l < bs / 2; ++l, ++o) {
+      ma[2 * m * (bs / 2) + l] = m * bs + l;                      // X block m, first half
+      ma[2 * m * (bs / 2) + bs / 2 + l] = L + m * bs + l;         // Y block m, first half
+      mb[2 * m * (bs / 2) + l] = m * bs + bs / 2 + l;             // X block m, second half
+      mb[2 * m * (bs / 2) + bs / 2 + l] = L + m * bs + bs / 2 + l;
+    }
+  }
+}
+
+template <typename T>
+struct ReduceMasks {
+  static constexpr int64_t L = kLanes<T>;
+  static constexpr int kLevels = L == 16 ? 4 : 3;
+  typename MaskOf<T>::type a[4], b[4], natural;
+  ReduceMasks() {
+    int64_t bs = L;
+    for (int lv = 0; lv < kLevels; ++lv, bs /= 2) level_masks<T>(bs, a[lv], b[lv]);
+    // After the levels lane l holds row bitreverse(l); bit reversal is its own inverse.
+    for (int64_t l = 0; l < L; ++l) {
+      int64_t r = 0;
+      for (int bit = 0; bit < kLevels; ++bit) r |= ((l >> bit) & 1) << (kLevels - 1 - bit);
+      natural[l] = r;
+    }
+  }
+};
+
+template <typename T>
+inline vec_t<T> transpose_reduce(const vec_t<T>* w, const ReduceMasks<T>& M) {
+  constexpr int64_t L = kLanes<T>;
+  vec_t<T> x[L];
+  for (int64_t i = 0; i < L; ++i) x[i] = w[i];
+  int64_t n = L;
+  for (int lv = 0; lv < ReduceMasks<T>::kLevels; ++lv, n /= 2) {
+    for (int64_t m = 0; m < n / 2; ++m) {
+      x[m] = __builtin_shuffle(x[2 * m], x[2 * m + 1], M.a[lv]) +
+             __builtin_shuffle(x[2 * m], x[2 * m + 1], M.b[lv]);
+    }
+  }
+  return __builtin_shuffle(x[0], M.natural);
+}
+#endif
+
+// out[i] (=|+=) sum of the lanes of w[i], i < K (first: store, else add).
+template <typename T>
+inline void store_row_sums(T* out, const vec_t<T>* w, int64_t K, bool first) {
+  constexpr int64_t L = kLanes<T>;
+  int64_t i = 0;
+#if defined(KDA_HAVE_TRANSPOSE_REDUCE)
+  static const ReduceMasks<T> masks;
+  for (; i + L <= K; i += L) {
+    vec_t<T> y = transpose_reduce<T>(w + i, masks);
+    if (!first) y += load_cols(out + i, L);
+    store_cols(out + i, y, L);
+  }
+#endif
+  for (; i < K; ++i) {
+    const T s = hsum<T>(w[i]);
+    out[i] = first ? s : out[i] + s;
+  }
 }
 
 // Copies the slice [j0, j0 + width) of a row-major K x V state into the padded K x NV buffer.
@@ -211,6 +303,171 @@ inline void write_step(vec_t<T>* Sout, const vec_t<T>* Sin, const vec_t<T> (&u)[
     }
     o[cc] = so;
     rnext[cc] = sr;
+  }
+}
+
+// ---- pre-processing --------------------------------------------------------------------------
+
+// Scalar libm through builtins (C functions: no inline C++ overloads shared across ISAs).
+inline float s_sqrt(float x) { return __builtin_sqrtf(x); }
+inline double s_sqrt(double x) { return __builtin_sqrt(x); }
+inline float s_exp(float x) { return __builtin_expf(x); }
+inline double s_exp(double x) { return __builtin_exp(x); }
+
+// Elementwise math on vectors. float: vectorised exp/log (about 1 ulp), so the pre-processing
+// is not dominated by scalar libm calls; double: libm per lane (exact to the last bits).
+inline vec_t<float> vexp(vec_t<float> x) {
+  typedef int32_t vi __attribute__((vector_size(64)));
+  const vec_t<float> lo = splat<float>(-87.33654f), hi = splat<float>(88.72283f);
+  const vec_t<float> xc = x < lo ? lo : (x > hi ? hi : x);
+  // n = round(x / ln 2) by the 1.5 * 2^23 trick; r = x - n ln 2 in two parts.
+  const vec_t<float> magic = splat<float>(12582912.0f);
+  const vec_t<float> t = xc * splat<float>(1.44269504088896341f) + magic;
+  const vec_t<float> n = t - magic;
+  vec_t<float> r = xc - n * splat<float>(0.693359375f);
+  r = r - n * splat<float>(-2.12194440e-4f);
+  vec_t<float> p = splat<float>(1.0f / 720);
+  p = p * r + splat<float>(1.0f / 120);
+  p = p * r + splat<float>(1.0f / 24);
+  p = p * r + splat<float>(1.0f / 6);
+  p = p * r + splat<float>(0.5f);
+  p = p * r + splat<float>(1.0f);
+  p = p * r + splat<float>(1.0f);
+  vi ti;
+  std::memcpy(&ti, &t, sizeof(ti));
+  vi mi;
+  std::memcpy(&mi, &magic, sizeof(mi));
+  const vi bits = ((ti - mi) + 127) << 23;  // 2^n
+  vec_t<float> two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  vec_t<float> res = p * two_n;
+  const vec_t<float> zero{};
+  const vec_t<float> inf = splat<float>(__builtin_huge_valf());
+  res = x < lo ? zero : res;
+  res = x > hi ? inf : res;
+  res = x != x ? x : res;  // NaN propagates
+  return res;
+}
+
+// log(u) for u > 0 finite (u in [1, 2] here).
+inline vec_t<float> vlog(vec_t<float> u) {
+  typedef int32_t vi __attribute__((vector_size(64)));
+  vi bits;
+  std::memcpy(&bits, &u, sizeof(bits));
+  vi e = ((bits >> 23) & 0xff) - 127;
+  const vi mbits = (bits & 0x7fffff) | 0x3f800000;
+  vec_t<float> m;
+  std::memcpy(&m, &mbits, sizeof(m));
+  const vec_t<float> sqrt2 = splat<float>(1.41421356f);
+  const auto big = m > sqrt2;
+  m = big ? m * 0.5f : m;
+  e = big ? e + 1 : e;
+  const vec_t<float> f = m - 1.0f;
+  const vec_t<float> sv = f / (f + 2.0f);
+  const vec_t<float> s2 = sv * sv;
+  vec_t<float> p = splat<float>(1.0f / 9);
+  p = p * s2 + splat<float>(1.0f / 7);
+  p = p * s2 + splat<float>(1.0f / 5);
+  p = p * s2 + splat<float>(1.0f / 3);
+  p = p * s2 + splat<float>(1.0f);
+  const vec_t<float> ef = __builtin_convertvector(e, vec_t<float>);
+  return ef * splat<float>(0.693147180559945309f) + 2.0f * sv * p;
+}
+
+// log(1 + y) for y in [0, 1]: log(u) * y / (u - 1), u = 1 + y (exact at the rounding of u).
+inline vec_t<float> vlog1p01(vec_t<float> y) {
+  const vec_t<float> u = y + 1.0f;
+  const vec_t<float> d = u - 1.0f;
+  const vec_t<float> one = splat<float>(1.0f);
+  const vec_t<float> ratio = y / (d == 0.0f ? one : d);
+  return d == 0.0f ? y : vlog(u) * ratio;
+}
+
+inline vec_t<float> vsoftplus(vec_t<float> z) {
+  const vec_t<float> zero{};
+  const vec_t<float> az = z < zero ? -z : z;
+  const vec_t<float> r = (z > zero ? z : zero) + vlog1p01(vexp(-az));
+  return z > 20.0f ? z : r;
+}
+
+inline vec_t<float> vsigmoid(vec_t<float> z) { return 1.0f / (1.0f + vexp(-z)); }
+
+template <typename F>
+inline vec_t<double> per_lane(vec_t<double> x, F f) {
+  for (int l = 0; l < 8; ++l) x[l] = f(x[l]);
+  return x;
+}
+inline vec_t<double> vexp(vec_t<double> x) {
+  return per_lane(x, [](double v) { return __builtin_exp(v); });
+}
+inline vec_t<double> vsoftplus(vec_t<double> x) {
+  return per_lane(x, [](double v) { return v > 20.0 ? v : __builtin_log1p(__builtin_exp(v)); });
+}
+inline vec_t<double> vsigmoid(vec_t<double> x) {
+  return per_lane(x, [](double v) { return 1.0 / (1.0 + __builtin_exp(-v)); });
+}
+
+template <typename T>
+void prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
+  using V = vec_t<T>;
+  constexpr int64_t L = kLanes<T>;
+  const int64_t K = P.K, H = P.H, HV = P.HV, BT = P.BT;
+  for (int64_t t = t0; t < t1; ++t) {
+    // q, k: l2 norm (optional) and scale.
+    for (int which = 0; which < 2; ++which) {
+      const T* src = which == 0 ? P.q : P.k;
+      T* dst = which == 0 ? P.q_out : P.k_out;
+      T* rn_out = which == 0 ? P.q_rnorm : P.k_rnorm;
+      const T mult = which == 0 ? P.scale : T(1);
+      for (int64_t h = 0; h < H; ++h) {
+        const T* x = src + (t * H + h) * K;
+        T* y = dst + (h * BT + t) * K;
+        T f = mult;
+        if (P.l2norm) {
+          V acc{};
+          for (int64_t i = 0; i < K; i += L) {
+            const V xv = load_cols(x + i, K - i);
+            acc += xv * xv;
+          }
+          const T rn = T(1) / s_sqrt(hsum<T>(acc) + T(1e-6));
+          if (rn_out) rn_out[t * H + h] = rn;
+          f = rn * mult;
+        }
+        for (int64_t i = 0; i < K; i += L) store_cols(y + i, load_cols(x + i, K - i) * f, K - i);
+      }
+    }
+    // gate and decay
+    for (int64_t hv = 0; hv < HV; ++hv) {
+      const T* gr = P.g + (t * HV + hv) * K;
+      const T* bias = P.dt_bias ? P.dt_bias + hv * K : nullptr;
+      T* a = P.a_out + (hv * BT + t) * K;
+      T* gout = P.g_out ? P.g_out + (t * HV + hv) * K : nullptr;
+      T* sout = P.s_out ? P.s_out + (t * HV + hv) * K : nullptr;
+      for (int64_t i = 0; i < K; i += L) {
+        const int64_t m = K - i;
+        V gl = load_cols(gr + i, m);
+        if (P.gate != GateMode::kNone) {
+          V z = gl;
+          if (bias) z += load_cols(bias + i, m);
+          if (P.gate == GateMode::kSoftplus) {
+            gl = -P.expA[hv] * vsoftplus(z);
+            if (sout) store_cols(sout + i, vsigmoid(z), m);
+          } else {
+            const V sg = vsigmoid(P.expA ? P.expA[hv] * z : z);
+            gl = P.lower_bound * sg;
+            if (sout) store_cols(sout + i, sg, m);
+          }
+        }
+        if (gout) store_cols(gout + i, gl, m);
+        store_cols(a + i, vexp(gl), m);
+      }
+    }
+    // beta
+    for (int64_t hv = 0; hv < HV; ++hv) {
+      T b = P.beta[t * HV + hv];
+      if (P.beta_sigmoid) b = P.beta_mult * (T(1) / (T(1) + s_exp(-b)));
+      P.beta_out[hv * BT + t] = b;
+    }
   }
 }
 
@@ -339,7 +596,8 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
 // Hs the running gradient of the state.
 template <typename T, int NV>
 void bwd_slice(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t width, int64_t p,
-               bool first, vec_t<T>* Sbuf, vec_t<T>* rbuf, vec_t<T>* Hs, const T* zeros) {
+               bool first, vec_t<T>* Sbuf, vec_t<T>* rbuf, vec_t<T>* Hs, const T* zeros,
+               vec_t<T>* Wq, vec_t<T>* Wk, vec_t<T>* Wg) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   const int64_t K = A.K, Vd = A.V, H = A.H, HV = A.HV;
@@ -415,8 +673,7 @@ void bwd_slice(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
             acc[cc] += kv * D;
             w[cc] = st * dov[cc];
           }
-          const T dqi = hsum_n<T, NV>(w);
-          dq[ii] = first ? dqi : dq[ii] + dqi;
+          Wq[ii] = vsum_n<T, NV>(w);
         };
         for (; i + kRows <= K; i += kRows) {
 #pragma GCC unroll 4
@@ -453,11 +710,12 @@ void bwd_slice(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
             wk[cc] = D * u[cc] - b * (sp * delta[cc]);
             Hs[ii * NV + cc] = av * E;
           }
-          const T dgi = hsum_n<T, NV>(wg);
-          const T dki = hsum_n<T, NV>(wk);
-          dg[ii] = first ? dgi : dg[ii] + dgi;
-          dk[ii] = first ? dki : dk[ii] + dki;
+          Wg[ii] = vsum_n<T, NV>(wg);
+          Wk[ii] = vsum_n<T, NV>(wk);
         }
+        store_row_sums<T>(dq, Wq, K, first);
+        store_row_sums<T>(dk, Wk, K, first);
+        store_row_sums<T>(dg, Wg, K, first);
       }
     }
   }
@@ -474,6 +732,7 @@ void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   Scratch<V> Sbuf(kChunk * K * NVmax);
   Scratch<V> rbuf(kChunk * NVmax);
   Scratch<V> Hs(K * NVmax);
+  Scratch<V> W(3 * K);  // per-row partial products of dq, dk, dg before their row sums
   const Scratch<T> zeros(K);
   for (int64_t s = s_begin; s < s_end; ++s) {
     const int64_t j0 = s * kBwdSlice;
@@ -483,7 +742,7 @@ void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
     auto run = [&](auto nv_const) {
       constexpr int NV = decltype(nv_const)::value;
       bwd_slice<T, NV>(A, n, hv, j0, width, p, first, Sbuf.data(), rbuf.data(), Hs.data(),
-                       zeros.data());
+                       zeros.data(), W.data(), W.data() + K, W.data() + 2 * K);
     };
     if (nv <= 1) {
       run(std::integral_constant<int, 1>{});
@@ -499,6 +758,8 @@ void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
 
 const Table kTable = {
     KDA_ISA_NAME,
+    &prep_tokens<float>,
+    &prep_tokens<double>,
     &fwd_unit<float>,
     &fwd_unit<double>,
     &bwd_unit<float>,

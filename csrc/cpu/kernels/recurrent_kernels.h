@@ -71,8 +71,42 @@ struct BwdArgs {
   T* dh0 = nullptr;         // [N, HV, K, V]
 };
 
+// Per-token pre-processing (KDA_SPEC.md "Gate and beta computed inside the op"): l2 norm and
+// scale of q/k, gate and decay, sigmoid beta, fused in one pass over the tokens.
+enum class GateMode : int { kNone = 0, kSoftplus = 1, kBounded = 2 };
+
+template <typename T>
+struct PrepArgs {
+  int64_t BT = 0, H = 0, HV = 0, K = 0;
+  const T* q = nullptr;        // [BT, H, K] raw
+  const T* k = nullptr;        // [BT, H, K] raw
+  const T* g = nullptr;        // [BT, HV, K] log decay, or raw gate input
+  const T* beta = nullptr;     // [BT, HV] strength or logits
+  const T* expA = nullptr;     // [HV] exp(A_log), or null (bounded gate without A_log)
+  const T* dt_bias = nullptr;  // [HV * K] or null
+  T scale = 1;
+  bool l2norm = false;
+  GateMode gate = GateMode::kNone;
+  T lower_bound = 0;
+  bool beta_sigmoid = false;
+  T beta_mult = 1;             // 2 with allow_neg_eigval
+  T* q_out = nullptr;          // [H, BT, K]  scale * qhat
+  T* k_out = nullptr;          // [H, BT, K]  khat
+  T* a_out = nullptr;          // [HV, BT, K] exp(g)
+  T* beta_out = nullptr;       // [HV, BT]
+  // For the backward (may be null): 1/||.|| of q and k [BT, H], log decay and gate sigmoid
+  // [BT, HV, K].
+  T* q_rnorm = nullptr;
+  T* k_rnorm = nullptr;
+  T* g_out = nullptr;
+  T* s_out = nullptr;
+};
+
 struct Table {
   const char* isa;
+  // Pre-processing of tokens [t0, t1).
+  void (*prep_f32)(const PrepArgs<float>&, int64_t t0, int64_t t1);
+  void (*prep_f64)(const PrepArgs<double>&, int64_t t0, int64_t t1);
   // Forward of slices [s_begin, s_end) (kFwdSlice columns each) of value head hv of sequence n.
   void (*fwd_f32)(const FwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end);
   void (*fwd_f64)(const FwdArgs<double>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end);

@@ -66,5 +66,28 @@ test-cpp: setup
 	cmake --build $(BUILD_CPP)/example -j $(JOBS)
 	$(BUILD_CPP)/example/kda_example
 
+# Property tests at scale: thousands of hypothesis cases (profile "fuzz", tests/test_properties.py).
+# FUZZ_EXAMPLES=N overrides the number of cases per property.
+fuzz: install
+	cd tests && KDA_HYPOTHESIS_PROFILE=fuzz ../$(PY) -m pytest -q -p no:cacheprovider test_properties.py
+
+# The C++ library and its GoogleTest suite built with AddressSanitizer + UndefinedBehaviorSanitizer
+# in their own build dir, then run; any report fails the run (libtorch itself is not instrumented,
+# so leak detection, which would report libtorch's global allocations, is off).
+BUILD_SAN := build/sanitize
+SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g
+# (Configured first without tests: that generates the build-tree TorchKDATargets.cmake which the
+# example's find_package(TorchKDA) reads when the tests are on.)
+test-sanitize: setup
+	for tests in OFF ON; do \
+	  cmake -S . -B $(BUILD_SAN) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDA_BUILD_TESTS=$$tests \
+	    -DCMAKE_PREFIX_PATH="$(TORCH_PREFIX)" -DCMAKE_CXX_FLAGS="$(SAN_FLAGS)" \
+	    -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
+	    -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=address,undefined" >/dev/null || exit 1; \
+	done
+	cmake --build $(BUILD_SAN) -j $(JOBS) --target kda_tests
+	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_odr_violation=0 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(BUILD_SAN)/kda_tests --gtest_brief=1
+
 clean:
 	rm -rf build _skbuild dist *.egg-info

@@ -150,7 +150,7 @@ OP_CASES = [
     ("cu-count", lambda p: dict(cu_seqlens=torch.tensor([], dtype=torch.long)), "1-D"),
     ("state-layout", lambda p: dict(state_v_first=True), "initial_state must have shape"),
     # A meta tensor among CPU tensors selects the op's Meta kernel (higher dispatch priority),
-    # which checks nothing and returns an uninitialised CPU tensor. Known bug when written.
+    # which must check devices too (before 3b6d11c it returned an uninitialised CPU tensor).
     ("op-device", lambda p: dict(k=p.k.to("meta")), "k must be on the device of q"),
     ("op-device", lambda p: dict(cu_seqlens=torch.tensor([0, 70], device="meta"), q=p.q[:1],
                                  k=p.k[:1], v=p.v[:1], g=p.g[:1], beta=p.beta[:1],

@@ -165,6 +165,9 @@ def check_kda_inputs(
     _require_shape("k", k, (B, T, H, K), "[B, T, H, K] of q")
     if tuple(v.shape[:2]) != (B, T):
         raise ValueError(f"v must have shape [B, T, HV, V] with B, T = {B}, {T} of q, got {tuple(v.shape)}")
+    for dim_name, size, source in (("K", K, "q.shape[3]"), ("V", V, "v.shape[3]"), ("HV", HV, "v.shape[2]")):
+        if size == 0:
+            raise ValueError(f"the {dim_name} dimension ({source}) must be positive, got {dim_name}=0")
     if H == 0 or HV % H != 0:
         raise ValueError(f"the value heads HV must be a positive multiple of the query/key heads H, "
                          f"got HV={HV}, H={H} (from v.shape[2] and q.shape[2])")

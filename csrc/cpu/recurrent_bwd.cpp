@@ -19,7 +19,7 @@ namespace {
 // there are few heads; a function of the shapes only.
 int64_t n_groups(const Dims& d, int64_t n_slices) {
   const int64_t heads = std::max<int64_t>(1, d.N * d.HV);
-  const int64_t want = std::max<int64_t>(1, (8 + heads - 1) / heads);
+  const int64_t want = std::max<int64_t>(1, (4 + heads - 1) / heads);
   return std::max<int64_t>(1, std::min(n_slices, want));
 }
 

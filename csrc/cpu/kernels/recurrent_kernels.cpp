@@ -186,22 +186,46 @@ inline vec_t<T> transpose_reduce(const vec_t<T>* w, const ReduceMasks<T>& M) {
 }
 #endif
 
-// out[i] (=|+=) sum of the lanes of w[i], i < K (first: store, else add).
+// Row gradients of one token from the per-row partial products W (4 arrays of K vectors:
+// P.do, D.u, P.delta, D.P), summed over lanes:
+//   dq_i = a_i x0_i + k_i udo,  dk_i = x1_i - beta a_i x2_i,  dg_i = a_i (x3_i - beta k_i x2_i)
+// (first: store, else add). Blocks of L rows use the transposing reduction.
 template <typename T>
-inline void store_row_sums(T* out, const vec_t<T>* w, int64_t K, bool first) {
+inline void row_grads(T* dq, T* dk, T* dg, const vec_t<T>* W, const T* a, const T* k, T beta,
+                      T udo, int64_t K, bool first) {
+  using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   int64_t i = 0;
 #if defined(KDA_HAVE_TRANSPOSE_REDUCE)
   static const ReduceMasks<T> masks;
   for (; i + L <= K; i += L) {
-    vec_t<T> y = transpose_reduce<T>(w + i, masks);
-    if (!first) y += load_cols(out + i, L);
-    store_cols(out + i, y, L);
+    const V x0 = transpose_reduce<T>(W + i, masks);
+    const V x1 = transpose_reduce<T>(W + K + i, masks);
+    const V x2 = transpose_reduce<T>(W + 2 * K + i, masks);
+    const V x3 = transpose_reduce<T>(W + 3 * K + i, masks);
+    const V av = load_cols(a + i, L), kv = load_cols(k + i, L);
+    V gq = av * x0 + kv * udo;
+    V gk = x1 - beta * av * x2;
+    V gg = av * (x3 - beta * kv * x2);
+    if (!first) {
+      gq += load_cols(dq + i, L);
+      gk += load_cols(dk + i, L);
+      gg += load_cols(dg + i, L);
+    }
+    store_cols(dq + i, gq, L);
+    store_cols(dk + i, gk, L);
+    store_cols(dg + i, gg, L);
   }
 #endif
   for (; i < K; ++i) {
-    const T s = hsum<T>(w[i]);
-    out[i] = first ? s : out[i] + s;
+    const T x0 = hsum<T>(W[i]), x1 = hsum<T>(W[K + i]), x2 = hsum<T>(W[2 * K + i]),
+            x3 = hsum<T>(W[3 * K + i]);
+    const T gq = a[i] * x0 + k[i] * udo;
+    const T gk = x1 - beta * a[i] * x2;
+    const T gg = a[i] * (x3 - beta * k[i] * x2);
+    dq[i] = first ? gq : dq[i] + gq;
+    dk[i] = first ? gk : dk[i] + gk;
+    dg[i] = first ? gg : dg[i] + gg;
   }
 }
 
@@ -591,13 +615,14 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   }
 }
 
-// Backward of one slice of columns over the whole sequence (chunks in reverse order).
-// Buffers (sized by the caller, reused across chunks): Sbuf kChunk states, rbuf kChunk reads S'^T k,
-// Hs the running gradient of the state.
+// Backward of chunk c of sequence n for one slice of columns [j0, j0 + width): recompute the
+// chunk's states from its checkpoint, then run the backward recurrence over it, last token first.
+// Buffers: Sbuf kChunk states, rbuf kChunk reads S'^T k (both reused), Hs the slice's running
+// gradient of the state (carried between chunks), W per-row partial products.
 template <typename T, int NV>
-void bwd_slice(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t width, int64_t p,
-               bool first, vec_t<T>* Sbuf, vec_t<T>* rbuf, vec_t<T>* Hs, const T* zeros,
-               vec_t<T>* Wq, vec_t<T>* Wk, vec_t<T>* Wg) {
+void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t width, int64_t p,
+               bool first, int64_t c, vec_t<T>* Sbuf, vec_t<T>* rbuf, vec_t<T>* Hs,
+               const T* zeros, vec_t<T>* W) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   const int64_t K = A.K, Vd = A.V, H = A.H, HV = A.HV;
@@ -609,11 +634,8 @@ void bwd_slice(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   const int64_t slot_stride = HV * K * Vd;
   const int64_t KN = K * NV;
 
-  load_slice<T, NV>(Hs, A.dht ? A.dht + state_off : nullptr, K, Vd, width);
-  if (ts < te) {
-    const int64_t c_first = (ts - origin) / kChunk;
-    const int64_t c_last = (te - 1 - origin) / kChunk;
-    for (int64_t c = c_last; c >= c_first; --c) {
+  {
+    {
       const int64_t s0 = imax(ts, origin + c * kChunk);
       const int64_t e = imin(te, origin + (c + 1) * kChunk);
       // Recompute the states S_{t-1} (t in [s0, e)) and the reads r_t of the chunk.
@@ -660,99 +682,140 @@ void bwd_slice(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
         T* dq = A.dq + p * A.group_stride + row;
         T* dk = A.dk + p * A.group_stride + row;
         T* dg = A.dg + p * A.group_stride + row;
-        // Pass 1: D = H + q do^T (kept in Hs), delta = D^T k, dq = S_t do.
+        // With P = S_{t-1}[i, :], S'[i] = a_i P, S_t[i] = a_i P + k_i u, every row quantity is
+        // a_i / k_i times a dot product of P, D, u, do or delta:
+        //   dq_i = a_i (P.do) + k_i (u.do)
+        //   dk_i = D.u - beta a_i (P.delta)
+        //   dg_i = a_i (D.P - beta k_i (P.delta))      (= sum_j E[i,j] S'[i,j])
+        // Pass 1: D = H + q do^T (kept in Hs), delta = D^T k, and P.do per row.
         V dacc[kRows][NV] = {};
         int64_t i = 0;
-        auto pass1_row = [&](int64_t ii, V (&acc)[NV]) {
-          const V av = splat<T>(at[ii]), kv = splat<T>(kt[ii]), qv = splat<T>(qt[ii]);
-          V w[NV];
-          for (int cc = 0; cc < NV; ++cc) {
-            const V st = av * Sp[ii * NV + cc] + kv * u[cc];
-            const V D = Hs[ii * NV + cc] + qv * dov[cc];
-            Hs[ii * NV + cc] = D;
-            acc[cc] += kv * D;
-            w[cc] = st * dov[cc];
-          }
-          Wq[ii] = vsum_n<T, NV>(w);
-        };
         for (; i + kRows <= K; i += kRows) {
 #pragma GCC unroll 4
-          for (int rr = 0; rr < kRows; ++rr) pass1_row(i + rr, dacc[rr]);
+          for (int rr = 0; rr < kRows; ++rr) {
+            const int64_t ii = i + rr;
+            const V kv = splat<T>(kt[ii]), qv = splat<T>(qt[ii]);
+            V w = Sp[ii * NV] * dov[0];
+#pragma GCC unroll 4
+            for (int cc = 0; cc < NV; ++cc) {
+              const V D = Hs[ii * NV + cc] + qv * dov[cc];
+              Hs[ii * NV + cc] = D;
+              dacc[rr][cc] += kv * D;
+              if (cc > 0) w += Sp[ii * NV + cc] * dov[cc];
+            }
+            W[ii] = w;
+          }
         }
-        for (; i < K; ++i) pass1_row(i, dacc[0]);
+        for (; i < K; ++i) {
+          const V kv = splat<T>(kt[i]), qv = splat<T>(qt[i]);
+          V w = Sp[i * NV] * dov[0];
+          for (int cc = 0; cc < NV; ++cc) {
+            const V D = Hs[i * NV + cc] + qv * dov[cc];
+            Hs[i * NV + cc] = D;
+            dacc[0][cc] += kv * D;
+            if (cc > 0) w += Sp[i * NV + cc] * dov[cc];
+          }
+          W[i] = w;
+        }
         V delta[NV];
         for (int cc = 0; cc < NV; ++cc) {
-          V s = dacc[0][cc];
-          for (int rr = 1; rr < kRows; ++rr) s += dacc[rr][cc];
-          delta[cc] = s;
+          V sum = dacc[0][cc];
+          for (int rr = 1; rr < kRows; ++rr) sum += dacc[rr][cc];
+          delta[cc] = sum;
         }
         T* dvt = A.dv + (t * HV + hv) * Vd + j0;
-        V w[NV];
+        V wb[NV], wu[NV];
         for (int cc = 0; cc < NV; ++cc) {
           if (width - cc * L > 0) store_cols(dvt + cc * L, b * delta[cc], width - cc * L);
-          w[cc] = delta[cc] * r_[cc];
+          wb[cc] = delta[cc] * r_[cc];
+          wu[cc] = u[cc] * dov[cc];
         }
-        const T dbt = hsum_n<T, NV>(w);
+        const T dbt = hsum_n<T, NV>(wb);
+        const T udo = hsum_n<T, NV>(wu);
         T* dbp = A.dbeta + p * A.group_stride_beta + t * HV + hv;
         *dbp = first ? dbt : *dbp + dbt;
-        // Pass 2: E = D - beta k delta^T, dg = rowsum(E * S'), dk = D u - beta S' delta,
-        // H_{t-1} = Diag(a) E.
-#pragma GCC unroll 4
+        // Pass 2: per-row D.u, P.delta, D.P, and H_{t-1} = Diag(a) (D - beta k delta^T).
+#pragma GCC unroll 2
         for (int64_t ii = 0; ii < K; ++ii) {
           const V av = splat<T>(at[ii]);
           const V bk = splat<T>(bs * kt[ii]);
-          V wg[NV], wk[NV];
+          V w1{}, w2{}, w3{};
+#pragma GCC unroll 4
           for (int cc = 0; cc < NV; ++cc) {
             const V D = Hs[ii * NV + cc];
-            const V sp = av * Sp[ii * NV + cc];
-            const V E = D - bk * delta[cc];
-            wg[cc] = E * sp;
-            wk[cc] = D * u[cc] - b * (sp * delta[cc]);
-            Hs[ii * NV + cc] = av * E;
+            const V P = Sp[ii * NV + cc];
+            w1 += D * u[cc];
+            w2 += P * delta[cc];
+            w3 += D * P;
+            Hs[ii * NV + cc] = av * (D - bk * delta[cc]);
           }
-          Wg[ii] = vsum_n<T, NV>(wg);
-          Wk[ii] = vsum_n<T, NV>(wk);
+          W[K + ii] = w1;
+          W[2 * K + ii] = w2;
+          W[3 * K + ii] = w3;
         }
-        store_row_sums<T>(dq, Wq, K, first);
-        store_row_sums<T>(dk, Wk, K, first);
-        store_row_sums<T>(dg, Wg, K, first);
+        row_grads<T>(dq, dk, dg, W, at, kt, bs, udo, K, first);
       }
     }
   }
-  store_slice<T, NV>(A.dh0 + state_off, Hs, K, Vd, width);
 }
 
+// Backward of slices [s_begin, s_end) of value head hv of sequence n, writing partial p of the
+// sums over columns (the first slice stores, the others add, in slice order). Chunks run last
+// first; inside a chunk every slice runs before the next chunk, so the chunk's input rows and
+// gradient rows are fetched once and reused from cache by all slices.
 template <typename T>
 void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
               int64_t p) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   constexpr int64_t NVmax = (kBwdSlice + L - 1) / L;
-  const int64_t K = A.K;
+  const int64_t K = A.K, Vd = A.V, HV = A.HV;
+  const int64_t n_sl = s_end - s_begin;
+  const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
+  const int64_t origin = A.seqs.origin[n];
+  const int64_t state_base = (n * HV + hv) * K * Vd;  // in [N, HV, K, V]
   Scratch<V> Sbuf(kChunk * K * NVmax);
   Scratch<V> rbuf(kChunk * NVmax);
-  Scratch<V> Hs(K * NVmax);
-  Scratch<V> W(3 * K);  // per-row partial products of dq, dk, dg before their row sums
+  Scratch<V> Hs(n_sl * K * NVmax);
+  Scratch<V> W(4 * K);  // per-row partial products (P.do, D.u, P.delta, D.P) before row sums
   const Scratch<T> zeros(K);
-  for (int64_t s = s_begin; s < s_end; ++s) {
-    const int64_t j0 = s * kBwdSlice;
-    const int64_t width = imin(kBwdSlice, A.V - j0);
-    const int64_t nv = (width + L - 1) / L;
-    const bool first = s == s_begin;
-    auto run = [&](auto nv_const) {
-      constexpr int NV = decltype(nv_const)::value;
-      bwd_slice<T, NV>(A, n, hv, j0, width, p, first, Sbuf.data(), rbuf.data(), Hs.data(),
-                       zeros.data(), W.data(), W.data() + K, W.data() + 2 * K);
-    };
-    if (nv <= 1) {
-      run(std::integral_constant<int, 1>{});
-    } else if (nv == 2 || NVmax <= 2) {
-      run(std::integral_constant<int, 2>{});
-    } else if (nv == 3) {
-      run(std::integral_constant<int, (NVmax >= 3 ? 3 : 2)>{});
-    } else {
-      run(std::integral_constant<int, (NVmax >= 4 ? 4 : 2)>{});
+  auto slice = [&](int64_t i, int64_t& j0, int64_t& width, int64_t& nv) {
+    j0 = (s_begin + i) * kBwdSlice;
+    width = imin(kBwdSlice, Vd - j0);
+    nv = (width + L - 1) / L;
+  };
+  for (int64_t i = 0; i < n_sl; ++i) {
+    int64_t j0, width, nv;
+    slice(i, j0, width, nv);
+    // Padded columns stay zero; NVmax-wide rows work for any nv (zero padding).
+    load_slice<T, NVmax>(Hs.data() + i * K * NVmax, A.dht ? A.dht + state_base + j0 : nullptr, K,
+                         Vd, width);
+  }
+  if (ts < te) {
+    const int64_t c_first = (ts - origin) / kChunk;
+    const int64_t c_last = (te - 1 - origin) / kChunk;
+    for (int64_t c = c_last; c >= c_first; --c) {
+      for (int64_t i = 0; i < n_sl; ++i) {
+        int64_t j0, width, nv;
+        slice(i, j0, width, nv);
+        V* Hi = Hs.data() + i * K * NVmax;
+        const bool first = i == 0;
+        auto run = [&](auto nv_const) {
+          constexpr int NV = decltype(nv_const)::value;
+          bwd_chunk<T, NV>(A, n, hv, j0, width, p, first, c, Sbuf.data(), rbuf.data(), Hi,
+                           zeros.data(), W.data());
+        };
+        // The slice's Hs rows are NVmax wide: run the NVmax variant (zero padding) unless the
+        // slice fits one vector less often than never; keeps the layout of Hs fixed.
+        (void)nv;
+        run(std::integral_constant<int, static_cast<int>(NVmax)>{});
+      }
     }
+  }
+  for (int64_t i = 0; i < n_sl; ++i) {
+    int64_t j0, width, nv;
+    slice(i, j0, width, nv);
+    store_slice<T, NVmax>(A.dh0 + state_base + j0, Hs.data() + i * K * NVmax, K, Vd, width);
   }
 }
 

@@ -443,6 +443,18 @@ class FusedRecurrentFunction : public torch::autograd::Function<FusedRecurrentFu
 
 std::tuple<at::Tensor, at::Tensor> fused_recurrent_autograd(KDA_OP_ARGS) {
   check_defined_same_device(KDA_OP_FORWARD);
+  auto req = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
+  const bool needs_grad =
+      at::GradMode::is_enabled() &&
+      (q.requires_grad() || k.requires_grad() || v.requires_grad() || g.requires_grad() ||
+       beta.requires_grad() || req(initial_state) || req(A_log) || req(dt_bias));
+  if (!needs_grad) {
+    // Nothing to differentiate: the kernel below autograd, without checkpoints.
+    static auto op = op_handle("kda::fused_recurrent")
+                         .typed<std::tuple<at::Tensor, at::Tensor>(KDA_OP_ARGS)>();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(KDA_OP_FORWARD);
+  }
   auto r = FusedRecurrentFunction::apply(KDA_OP_FORWARD);
   return {r[0], r[1]};
 }

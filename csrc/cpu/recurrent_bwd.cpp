@@ -24,9 +24,11 @@ int64_t n_groups(const Dims& d, int64_t n_slices) {
 }
 
 // Sum of x[0] + x[1] + ... along dim 0, in this order.
+// (x[0] + x[1]) + x[2] ... ; a single slice is returned as a view.
 at::Tensor ordered_sum0(const at::Tensor& x) {
-  at::Tensor acc = x.select(0, 0).clone();
-  for (int64_t i = 1; i < x.size(0); ++i) acc.add_(x.select(0, i));
+  if (x.size(0) == 1) return x.select(0, 0);
+  at::Tensor acc = x.select(0, 0) + x.select(0, 1);
+  for (int64_t i = 2; i < x.size(0); ++i) acc.add_(x.select(0, i));
   return acc;
 }
 
@@ -144,10 +146,12 @@ std::vector<at::Tensor> recurrent_bwd_cpu(const at::Tensor& d_o,
   const int64_t G = d.HV / d.H;
   at::Tensor dqh = ordered_sum0(dqv.view({BT, d.H, G, d.K}).permute({2, 0, 1, 3}));
   at::Tensor dkh = ordered_sum0(dkv.view({BT, d.H, G, d.K}).permute({2, 0, 1, 3}));
-  dqh.mul_(cfg.scale);  // d/d qhat = scale * d/d (scale * qhat)
+  // d/d qhat = scale * d/d (scale * qhat)
   if (cfg.use_qk_l2norm_in_kernel) {
-    dqh = (dqh - p.qhat * (p.qhat * dqh).sum(-1, true)) * p.q_rnorm;
+    dqh = (dqh - p.qhat * (p.qhat * dqh).sum(-1, true)) * (p.q_rnorm * cfg.scale);
     dkh = (dkh - p.k * (p.k * dkh).sum(-1, true)) * p.k_rnorm;
+  } else {
+    dqh = dqh * cfg.scale;
   }
 
   at::Tensor dg_in = dgl, dA, dbias;

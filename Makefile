@@ -16,8 +16,10 @@ TORCH_PREFIX = $$($(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_p
 
 .PHONY: demo test setup install test-python test-cpp bench check fuzz test-sanitize clean
 
+# The installed console script, not `python -m` from here: the source tree's torch_kda/ (without
+# the built libkda.so) would shadow the installed package.
 demo: install
-	$(PY) -m torch_kda demo
+	$(VENV)/bin/torch-kda demo
 
 test: install test-python test-cpp
 

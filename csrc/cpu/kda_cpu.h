@@ -53,6 +53,7 @@ struct Prepared {
   at::Tensor q;       // [H, BT, K]   scale * qhat
   at::Tensor k_hm;    // [H, BT, K]   khat
   at::Tensor a;       // [HV, BT, K]  exp(g)
+  at::Tensor ak;      // [HV, BT, K]  exp(g) * khat (of the value head's key head)
   at::Tensor beta_hm; // [HV, BT]     write strength
   at::Tensor v;       // [BT, HV, V]
   // For the backward's chain rule, in token-major logical shapes (views may be strided):

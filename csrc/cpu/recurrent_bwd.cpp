@@ -70,6 +70,7 @@ void run_bwd(const Prepared& p, const Dims& d, const Sequences& seqs, const at::
   A.q = p.q.data_ptr<T>();
   A.k = p.k_hm.data_ptr<T>();
   A.a = p.a.data_ptr<T>();
+  A.ak = p.ak.data_ptr<T>();
   A.beta = p.beta_hm.data_ptr<T>();
   A.v = p.v.data_ptr<T>();
   A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;

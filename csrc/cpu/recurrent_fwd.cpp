@@ -40,6 +40,7 @@ void fill_prep(kernels::PrepArgs<T>& P, const at::Tensor& q, const at::Tensor& k
   P.q_out = p.q.data_ptr<T>();
   P.k_out = p.k_hm.data_ptr<T>();
   P.a_out = p.a.data_ptr<T>();
+  P.ak_out = p.ak.data_ptr<T>();
   P.beta_out = p.beta_hm.data_ptr<T>();
   P.q_rnorm = ptr_or_null<T>(p.q_rnorm);
   P.k_rnorm = ptr_or_null<T>(p.k_rnorm);
@@ -64,6 +65,7 @@ Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for
   p.q = at::empty({d.H, BT, d.K}, opts);
   p.k_hm = at::empty({d.H, BT, d.K}, opts);
   p.a = at::empty({d.HV, BT, d.K}, opts);
+  p.ak = at::empty({d.HV, BT, d.K}, opts);
   p.beta_hm = at::empty({d.HV, BT}, opts);
   if (for_backward) {
     if (cfg.use_qk_l2norm_in_kernel) {
@@ -182,6 +184,7 @@ void run_fwd(const Prepared& p, const Dims& d, const Sequences& seqs, const at::
   A.q = p.q.data_ptr<T>();
   A.k = p.k_hm.data_ptr<T>();
   A.a = p.a.data_ptr<T>();
+  A.ak = p.ak.data_ptr<T>();
   A.beta = p.beta_hm.data_ptr<T>();
   A.v = p.v.data_ptr<T>();
   A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;

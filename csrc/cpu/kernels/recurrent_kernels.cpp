@@ -250,23 +250,22 @@ inline void store_slice(T* dst, const vec_t<T>* src, int64_t K, int64_t V, int64
   }
 }
 
-// r = sum_i a[i] k[i] S[i, :]   (S'^T k of the token whose decay is a and key is k)
+// r = sum_i ak[i] S[i, :]   (S'^T k of a token; ak = its decay times its key)
 template <typename T, int NV>
-inline void decayed_key_read(vec_t<T> (&r)[NV], const vec_t<T>* S, const T* a, const T* k,
-                             int64_t K) {
+inline void decayed_key_read(vec_t<T> (&r)[NV], const vec_t<T>* S, const T* ak, int64_t K) {
   using V = vec_t<T>;
   V acc[kRows][NV] = {};
   int64_t i = 0;
   for (; i + kRows <= K; i += kRows) {
 #pragma GCC unroll 4
     for (int rr = 0; rr < kRows; ++rr) {
-      const V c = splat<T>(a[i + rr] * k[i + rr]);
+      const V c = splat<T>(ak[i + rr]);
 #pragma GCC unroll 4
       for (int cc = 0; cc < NV; ++cc) acc[rr][cc] += c * S[(i + rr) * NV + cc];
     }
   }
   for (; i < K; ++i) {
-    const V c = splat<T>(a[i] * k[i]);
+    const V c = splat<T>(ak[i]);
     for (int cc = 0; cc < NV; ++cc) acc[0][cc] += c * S[i * NV + cc];
   }
   for (int cc = 0; cc < NV; ++cc) {
@@ -279,10 +278,10 @@ inline void decayed_key_read(vec_t<T> (&r)[NV], const vec_t<T>* S, const T* a, c
 // One token's write, fused with the reads around it:
 //   Sout[i] = a[i] Sin[i] + k[i] u          (S_t = S'_t + k u^T)
 //   o      = sum_i q[i] Sout[i]             (only if WithOut)
-//   rnext  = sum_i an[i] kn[i] Sout[i]      (S'_{t+1}^T k_{t+1}: the next token's read)
+//   rnext  = sum_i akn[i] Sout[i]           (S'_{t+1}^T k_{t+1}: the next token's read)
 template <typename T, int NV, bool WithOut>
 inline void write_step(vec_t<T>* Sout, const vec_t<T>* Sin, const vec_t<T> (&u)[NV], const T* a,
-                       const T* k, const T* q, const T* an, const T* kn, int64_t K,
+                       const T* k, const T* q, const T* akn, int64_t K,
                        vec_t<T> (&o)[NV], vec_t<T> (&rnext)[NV]) {
   using V = vec_t<T>;
   V oacc[kRows][NV] = {};
@@ -294,7 +293,7 @@ inline void write_step(vec_t<T>* Sout, const vec_t<T>* Sin, const vec_t<T> (&u)[
       const int64_t ii = i + rr;
       const V av = splat<T>(a[ii]);
       const V kv = splat<T>(k[ii]);
-      const V cn = splat<T>(an[ii] * kn[ii]);
+      const V cn = splat<T>(akn[ii]);
       V qv{};
       if (WithOut) qv = splat<T>(q[ii]);
 #pragma GCC unroll 4
@@ -309,7 +308,7 @@ inline void write_step(vec_t<T>* Sout, const vec_t<T>* Sin, const vec_t<T> (&u)[
   for (; i < K; ++i) {
     const V av = splat<T>(a[i]);
     const V kv = splat<T>(k[i]);
-    const V cn = splat<T>(an[i] * kn[i]);
+    const V cn = splat<T>(akn[i]);
     V qv{};
     if (WithOut) qv = splat<T>(q[i]);
     for (int cc = 0; cc < NV; ++cc) {
@@ -465,6 +464,8 @@ void prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       const T* gr = P.g + (t * HV + hv) * K;
       const T* bias = P.dt_bias ? P.dt_bias + hv * K : nullptr;
       T* a = P.a_out + (hv * BT + t) * K;
+      T* ak = P.ak_out + (hv * BT + t) * K;
+      const T* kh = P.k_out + ((hv / (HV / H)) * BT + t) * K;  // khat of this value head's key
       T* gout = P.g_out ? P.g_out + (t * HV + hv) * K : nullptr;
       T* sout = P.s_out ? P.s_out + (t * HV + hv) * K : nullptr;
       for (int64_t i = 0; i < K; i += L) {
@@ -483,7 +484,9 @@ void prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
           }
         }
         if (gout) store_cols(gout + i, gl, m);
-        store_cols(a + i, vexp(gl), m);
+        const V av = vexp(gl);
+        store_cols(a + i, av, m);
+        store_cols(ak + i, av * load_cols(kh + i, m), m);
       }
     }
     // beta
@@ -511,7 +514,7 @@ void fwd_block(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
 
   V r[NV];
   if (t0 == ts) {
-    decayed_key_read<T, NV>(r, S, A.a + (hv * A.BT + ts) * K, A.k + (h * A.BT + ts) * K, K);
+    decayed_key_read<T, NV>(r, S, A.ak + (hv * A.BT + ts) * K, K);
   } else {
     for (int cc = 0; cc < NV; ++cc) r[cc] = r_io[cc];
   }
@@ -523,18 +526,13 @@ void fwd_block(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
     const T* at = A.a + (hv * A.BT + t) * K;
     const T* kt = A.k + (h * A.BT + t) * K;
     const T* qt = A.q + (h * A.BT + t) * K;
-    const T* an = zeros;
-    const T* kn = zeros;
-    if (t + 1 < te) {
-      an = A.a + (hv * A.BT + (t + 1)) * K;
-      kn = A.k + (h * A.BT + (t + 1)) * K;
-    }
+    const T* akn = t + 1 < te ? A.ak + (hv * A.BT + (t + 1)) * K : zeros;
     const V b = splat<T>(A.beta[hv * A.BT + t]);
     const T* vt = A.v + (t * HV + hv) * Vd + j0;
     V u[NV];
     for (int cc = 0; cc < NV; ++cc) u[cc] = b * (load_cols(vt + cc * L, width - cc * L) - r[cc]);
     V o[NV];
-    write_step<T, NV, true>(S, S, u, at, kt, qt, an, kn, K, o, r);
+    write_step<T, NV, true>(S, S, u, at, kt, qt, akn, K, o, r);
     T* ot = A.o + (t * HV + hv) * Vd + j0;
     for (int cc = 0; cc < NV; ++cc) {
       if (width - cc * L > 0) store_cols(ot + cc * L, o[cc], width - cc * L);
@@ -645,7 +643,7 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
         load_slice<T, NV>(Sbuf, A.ckpt + (slot_base + c) * slot_stride + ckpt_off, K, Vd, width);
       }
       V r[NV];
-      decayed_key_read<T, NV>(r, Sbuf, A.a + (hv * A.BT + s0) * K, A.k + (h * A.BT + s0) * K, K);
+      decayed_key_read<T, NV>(r, Sbuf, A.ak + (hv * A.BT + s0) * K, K);
       for (int64_t t = s0; t < e; ++t) {
         const int64_t slot = t - s0;
         for (int cc = 0; cc < NV; ++cc) rbuf[slot * NV + cc] = r[cc];
@@ -657,8 +655,7 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
         V unused[NV];
         write_step<T, NV, false>(Sbuf + (slot + 1) * KN, Sbuf + slot * KN, u,
                                  A.a + (hv * A.BT + t) * K, A.k + (h * A.BT + t) * K, zeros,
-                                 A.a + (hv * A.BT + (t + 1)) * K, A.k + (h * A.BT + (t + 1)) * K, K,
-                                 unused, r);
+                                 A.ak + (hv * A.BT + (t + 1)) * K, K, unused, r);
       }
       // Backward through the chunk, last token first.
       for (int64_t t = e - 1; t >= s0; --t) {

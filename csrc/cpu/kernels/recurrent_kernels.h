@@ -39,6 +39,7 @@ struct FwdArgs {
   const T* q = nullptr;     // [H, BT, K]   scale * l2norm(q) (already pre-processed)
   const T* k = nullptr;     // [H, BT, K]   l2norm(k)
   const T* a = nullptr;     // [HV, BT, K]  per-channel decay exp(g)
+  const T* ak = nullptr;    // [HV, BT, K]  a * khat (khat of the value head's key head)
   const T* beta = nullptr;  // [HV, BT]
   const T* v = nullptr;     // [BT, HV, V]
   const T* h0 = nullptr;    // [N, HV, K, V] or null (zeros)
@@ -54,6 +55,7 @@ struct BwdArgs {
   const T* q = nullptr;     // as in FwdArgs (head-major)
   const T* k = nullptr;
   const T* a = nullptr;
+  const T* ak = nullptr;
   const T* beta = nullptr;
   const T* v = nullptr;
   const T* h0 = nullptr;    // [N, HV, K, V] or null
@@ -93,6 +95,7 @@ struct PrepArgs {
   T* q_out = nullptr;          // [H, BT, K]  scale * qhat
   T* k_out = nullptr;          // [H, BT, K]  khat
   T* a_out = nullptr;          // [HV, BT, K] exp(g)
+  T* ak_out = nullptr;         // [HV, BT, K] exp(g) * khat
   T* beta_out = nullptr;       // [HV, BT]
   // For the backward (may be null): 1/||.|| of q and k [BT, H], log decay and gate sigmoid
   // [BT, HV, K].

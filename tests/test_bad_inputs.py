@@ -15,7 +15,6 @@ import torch
 
 import torch_kda
 from kda_testing import make_problem
-from torch_kda import _native
 
 OP_ARGS = ("scale", "initial_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
            "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "state_v_first",
@@ -77,8 +76,6 @@ PY_CASES = [
 @pytest.mark.parametrize("row,changes,exc,words", PY_CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(PY_CASES)])
 def test_python_api_rejects(row, changes, exc, words, backend):
-    if backend == "native" and _native.LOAD_ERROR is not None:
-        pytest.skip(f"native library unavailable: {_native.LOAD_ERROR}")
     for fn in (torch_kda.chunk_kda, torch_kda.fused_recurrent_kda):
         with pytest.raises(exc) as info:
             fn(**_call(**changes), backend=backend)
@@ -112,8 +109,7 @@ def test_kda_gate_rejects_bad_g():  # row "kda_gate"
 
 # ---- the native op called directly (torch.ops.kda.*): C++ checks seen from Python -------------
 
-needs_native = pytest.mark.skipif(_native.LOAD_ERROR is not None,
-                                  reason=f"native library unavailable: {_native.LOAD_ERROR}")
+needs_native = pytest.mark.native  # documents the requirement; conftest.py fails fast without it
 
 
 def _op_args(p, **changes):

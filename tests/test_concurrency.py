@@ -22,10 +22,7 @@ import torch
 
 import torch_kda
 from kda_testing import make_problem
-from torch_kda import _native
 
-pytestmark = pytest.mark.skipif(_native.LOAD_ERROR is not None,
-                                reason=f"native library unavailable: {_native.LOAD_ERROR}")
 
 N_THREADS = 6
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional, Tuple
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,10 +29,7 @@ from hypothesis import strategies as st
 import torch_kda
 from kda_testing import make_problem, rel_err
 from oracle import oracle_kda
-from torch_kda import _native, reference
-
-pytestmark = pytest.mark.skipif(_native.LOAD_ERROR is not None,
-                                reason=f"native library unavailable: {_native.LOAD_ERROR}")
+from torch_kda import reference
 
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("fast", max_examples=30, deadline=None, derandomize=True, database=None,

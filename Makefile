@@ -59,7 +59,8 @@ test-python: install
 # against the installed CMake package with find_package(TorchKDA).
 test-cpp: setup
 	cmake -S . -B $(BUILD_CPP) -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_BUILD_TESTS=ON \
-	  -DCMAKE_PREFIX_PATH="$(TORCH_PREFIX)" -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(BUILD_CPP)/install
+	  -DCMAKE_PREFIX_PATH="$(TORCH_PREFIX)" -DPython3_EXECUTABLE=$(CURDIR)/$(PY) \
+	  -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(BUILD_CPP)/install
 	cmake --build $(BUILD_CPP) -j $(JOBS)
 	cmake --install $(BUILD_CPP)
 	ctest --test-dir $(BUILD_CPP) --output-on-failure
@@ -78,15 +79,11 @@ fuzz: install
 # so leak detection, which would report libtorch's global allocations, is off).
 BUILD_SAN := build/sanitize
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g
-# (Configured first without tests: that generates the build-tree TorchKDATargets.cmake which the
-# example's find_package(TorchKDA) reads when the tests are on.)
 test-sanitize: setup
-	for tests in OFF ON; do \
-	  cmake -S . -B $(BUILD_SAN) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDA_BUILD_TESTS=$$tests \
-	    -DCMAKE_PREFIX_PATH="$(TORCH_PREFIX)" -DCMAKE_CXX_FLAGS="$(SAN_FLAGS)" \
-	    -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
-	    -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=address,undefined" >/dev/null || exit 1; \
-	done
+	cmake -S . -B $(BUILD_SAN) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDA_BUILD_TESTS=ON \
+	  -DCMAKE_PREFIX_PATH="$(TORCH_PREFIX)" -DPython3_EXECUTABLE=$(CURDIR)/$(PY) \
+	  -DCMAKE_CXX_FLAGS="$(SAN_FLAGS)" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
+	  -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=address,undefined"
 	cmake --build $(BUILD_SAN) -j $(JOBS) --target kda_tests
 	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_odr_violation=0 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(BUILD_SAN)/kda_tests --gtest_brief=1

@@ -619,8 +619,9 @@ def format_targets(rows: List[dict], shape: Shape = TARGET_SHAPE) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(results: List[dict], path: str, dtype: str = "fp32") -> None:
-    """PNG of tokens/s by T per backend (one panel per mode, H = 4 and 16, max thread count)."""
+def plot(results: List[dict], path: str, dtype: str = "fp32", threads: Optional[int] = None) -> None:
+    """PNG of tokens/s by T per backend (one panel per mode, H = 4 and 16), at ``threads``
+    (default: the smallest thread count measured, the least disturbed on a shared machine)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -629,7 +630,7 @@ def plot(results: List[dict], path: str, dtype: str = "fp32") -> None:
              and r["dtype"] == dtype]
     if not timed:
         return
-    n = max(r["threads"] for r in timed)
+    n = threads if threads is not None else min(r["threads"] for r in timed)
     colors = {"native": "tab:green", "reference": "tab:blue", "compiled": "tab:orange",
               "fla_naive": "tab:red", "compiled_full": "tab:purple"}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110, sharey=True)

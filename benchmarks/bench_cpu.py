@@ -355,6 +355,8 @@ def run(shapes: Sequence[Shape] = STANDARD_SHAPES + DECODE_SHAPES,
         reason), ``"gemm"`` (threads, ``gflops`` median, ``samples``) and ``"memory"``
         (``peak_bytes`` of forward+backward).
     """
+    # shapes may also be given as Shape(...) keyword dicts or (B, T, H, HV[, K, V, decode]) tuples
+    shapes = [s if isinstance(s, Shape) else (Shape(**s) if isinstance(s, dict) else Shape(*s)) for s in shapes]
     fla = load_fla_naive() if "fla_naive" in backends else None
     fns = {}
     results: List[dict] = []

@@ -100,12 +100,17 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
   check_device(in.g, "g", q);
   check_device(in.beta, "beta", q);
 
+  TORCH_CHECK(std::isfinite(cfg.scale), kOp, "scale must be finite, got ", cfg.scale);
   TORCH_CHECK(!cfg.allow_neg_eigval || cfg.use_beta_sigmoid_in_kernel, kOp,
               "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True");
+  TORCH_CHECK(cfg.use_gate_in_kernel || (!in.A_log && !in.dt_bias), kOp,
+              "A_log and dt_bias are only used with use_gate_in_kernel=True, got "
+              "use_gate_in_kernel=False with A_log ", in.A_log ? "set" : "None", " and dt_bias ",
+              in.dt_bias ? "set" : "None");
   if (cfg.use_gate_in_kernel) {
     if (cfg.lower_bound) {
-      TORCH_CHECK(*cfg.lower_bound < 0.0, kOp, "lower_bound must be < 0, got ",
-                  *cfg.lower_bound);
+      TORCH_CHECK(std::isfinite(*cfg.lower_bound) && *cfg.lower_bound < 0.0, kOp,
+                  "lower_bound must be a finite negative number, got ", *cfg.lower_bound);
     } else {
       TORCH_CHECK(in.A_log.has_value(), kOp,
                   "use_gate_in_kernel=True without lower_bound (softplus gate) requires A_log, "

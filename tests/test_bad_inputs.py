@@ -142,7 +142,7 @@ OP_CASES = [
      "A_log must be a floating tensor"),
     ("state-dtype", lambda p: dict(initial_state=p.kwargs["initial_state"].int()),
      "initial_state must be a floating tensor"),
-    ("lower-bound-value", lambda p: dict(lower_bound=math.nan), "lower_bound must be < 0"),
+    ("lower-bound-value", lambda p: dict(lower_bound=math.nan), "lower_bound must be a finite negative number"),
     ("cu-count", lambda p: dict(cu_seqlens=torch.tensor([], dtype=torch.long)), "1-D"),
     ("state-layout", lambda p: dict(state_v_first=True), "initial_state must have shape"),
     # A meta tensor among CPU tensors selects the op's Meta kernel (higher dispatch priority),

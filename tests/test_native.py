@@ -229,7 +229,7 @@ def _bad(p, **changes):
     (lambda p: dict(A_log=None), "requires A_log"),
     (lambda p: dict(A_log=p.kwargs["A_log"][:1]), "A_log must have shape"),
     (lambda p: dict(dt_bias=p.kwargs["dt_bias"][:3]), "dt_bias must have shape"),
-    (lambda p: dict(lower_bound=0.5), "lower_bound must be < 0"),
+    (lambda p: dict(lower_bound=0.5), "lower_bound must be a finite negative number"),
     (lambda p: dict(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=True), "allow_neg_eigval"),
     (lambda p: dict(initial_state=p.kwargs["initial_state"][:, :, :2]), "initial_state must have"),
     (lambda p: dict(cu_seqlens=torch.tensor([0, 4])), "batch size must be 1"),

@@ -176,9 +176,26 @@ TEST_F(BadInput, InitialStateWrongBatch) {
 TEST_F(BadInput, LowerBoundZeroOrNaN) {
   auto o = x.opts;
   o.lower_bound = 0.0;
-  expect(x.q, x.k, x.v, x.g, x.beta, o, {"lower_bound must be < 0", "got 0"});
+  expect(x.q, x.k, x.v, x.g, x.beta, o, {"lower_bound must be a finite negative number", "got 0"});
   o.lower_bound = std::numeric_limits<double>::quiet_NaN();
-  expect(x.q, x.k, x.v, x.g, x.beta, o, {"lower_bound must be < 0"});
+  expect(x.q, x.k, x.v, x.g, x.beta, o, {"lower_bound must be a finite negative number"});
+  o.lower_bound = -std::numeric_limits<double>::infinity();
+  expect(x.q, x.k, x.v, x.g, x.beta, o, {"lower_bound must be a finite negative number", "inf"});
+}
+
+TEST_F(BadInput, NonFiniteScale) {
+  auto o = x.opts;
+  o.scale = std::numeric_limits<double>::quiet_NaN();
+  expect(x.q, x.k, x.v, x.g, x.beta, o, {"scale must be finite", "nan"});
+  o.scale = std::numeric_limits<double>::infinity();
+  expect(x.q, x.k, x.v, x.g, x.beta, o, {"scale must be finite", "inf"});
+}
+
+TEST_F(BadInput, GateParametersWithoutGateInKernel) {
+  auto o = x.opts;
+  o.use_gate_in_kernel = false;  // A_log and dt_bias still set: they would be silently ignored
+  expect(x.q, x.k, x.v, x.g, x.beta, o,
+         {"A_log and dt_bias are only used with use_gate_in_kernel=True"});
 }
 
 TEST_F(BadInput, BoundedGateWithoutALogIsAccepted) {  // the contrast: not an error

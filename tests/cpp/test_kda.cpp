@@ -362,7 +362,7 @@ TEST_F(BadCalls, WrongDtypesAndFlags) {
   expect_error(d.q, d.k, d.v, d.g, d.beta, o2, "requires A_log");
   o2 = o;
   o2.lower_bound = 0.5;
-  expect_error(d.q, d.k, d.v, d.g, d.beta, o2, "lower_bound must be < 0");
+  expect_error(d.q, d.k, d.v, d.g, d.beta, o2, "lower_bound must be a finite negative number");
   o2 = o;
   o2.use_beta_sigmoid_in_kernel = false;
   o2.allow_neg_eigval = true;

@@ -61,19 +61,7 @@ void run_bwd(const Prepared& p, const Dims& d, const Sequences& seqs, const at::
              const at::Tensor& dbeta, const at::Tensor& dv, const at::Tensor& dh0,
              int64_t n_slices, int64_t groups) {
   kernels::BwdArgs<T> A;
-  A.seqs = seq_info(seqs);
-  A.BT = d.B * d.T;
-  A.H = d.H;
-  A.HV = d.HV;
-  A.K = d.K;
-  A.V = d.V;
-  A.q = p.q.data_ptr<T>();
-  A.k = p.k_hm.data_ptr<T>();
-  A.a = p.a.data_ptr<T>();
-  A.ak = p.ak.data_ptr<T>();
-  A.beta = p.beta_hm.data_ptr<T>();
-  A.v = p.v.data_ptr<T>();
-  A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
+  fill_recurrence_inputs<T>(A, p, d, seqs, h0);
   A.ckpt = ckpt.numel() > 0 ? ckpt.data_ptr<T>() : nullptr;
   A.dout = dout.data_ptr<T>();
   A.dht = dht.defined() ? dht.data_ptr<T>() : nullptr;

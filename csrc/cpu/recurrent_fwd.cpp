@@ -175,19 +175,7 @@ template <typename T>
 void run_fwd(const Prepared& p, const Dims& d, const Sequences& seqs, const at::Tensor& h0,
              const at::Tensor& o, const at::Tensor& ht, const at::Tensor& ckpt) {
   kernels::FwdArgs<T> A;
-  A.seqs = seq_info(seqs);
-  A.BT = d.B * d.T;
-  A.H = d.H;
-  A.HV = d.HV;
-  A.K = d.K;
-  A.V = d.V;
-  A.q = p.q.data_ptr<T>();
-  A.k = p.k_hm.data_ptr<T>();
-  A.a = p.a.data_ptr<T>();
-  A.ak = p.ak.data_ptr<T>();
-  A.beta = p.beta_hm.data_ptr<T>();
-  A.v = p.v.data_ptr<T>();
-  A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
+  fill_recurrence_inputs<T>(A, p, d, seqs, h0);
   A.o = o.data_ptr<T>();
   A.ht = ht.data_ptr<T>();
   A.ckpt = ckpt.defined() && ckpt.numel() > 0 ? ckpt.data_ptr<T>() : nullptr;

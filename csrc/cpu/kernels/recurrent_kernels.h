@@ -32,8 +32,9 @@ struct SeqInfo {
 
 // The pre-processed per-token inputs are head-major ([H, BT, K]: one head's tokens contiguous),
 // so a unit streams contiguous memory; v, o and the gradients keep the [BT, HV, ...] layout.
+// Shared by the forward and the backward (which recomputes the states from the same inputs).
 template <typename T>
-struct FwdArgs {
+struct RecurrenceInputs {
   SeqInfo seqs;
   int64_t BT = 0, H = 0, HV = 0, K = 0, V = 0;
   const T* q = nullptr;     // [H, BT, K]   scale * l2norm(q) (already pre-processed)
@@ -43,22 +44,17 @@ struct FwdArgs {
   const T* beta = nullptr;  // [HV, BT]
   const T* v = nullptr;     // [BT, HV, V]
   const T* h0 = nullptr;    // [N, HV, K, V] or null (zeros)
+};
+
+template <typename T>
+struct FwdArgs : RecurrenceInputs<T> {
   T* o = nullptr;           // [BT, HV, V]
   T* ht = nullptr;          // [N, HV, K, V]
   T* ckpt = nullptr;        // [slots, HV, K, V] or null (no checkpoints)
 };
 
 template <typename T>
-struct BwdArgs {
-  SeqInfo seqs;
-  int64_t BT = 0, H = 0, HV = 0, K = 0, V = 0;
-  const T* q = nullptr;     // as in FwdArgs (head-major)
-  const T* k = nullptr;
-  const T* a = nullptr;
-  const T* ak = nullptr;
-  const T* beta = nullptr;
-  const T* v = nullptr;
-  const T* h0 = nullptr;    // [N, HV, K, V] or null
+struct BwdArgs : RecurrenceInputs<T> {
   const T* ckpt = nullptr;  // [slots, HV, K, V] written by the forward
   const T* dout = nullptr;  // [BT, HV, V]
   const T* dht = nullptr;   // [N, HV, K, V] or null

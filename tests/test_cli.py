@@ -8,6 +8,7 @@ the module finishes in well under a minute on 2 cores.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -171,9 +172,29 @@ def test_check_fails_with_an_impossible_tolerance(capsys):
     assert "FAIL" in out
 
 
-def test_bench_writes_table_and_plot(tmp_path, capsys):
-    code, out, _ = call_main(["bench", "--quick", "--seq-lens", "16", "32", "--heads", "1", "--head-dim", "8",
-                              "--min-time", "0.01", "--out", str(tmp_path)], capsys)
-    assert code == 0, out
-    assert "tokens/s" in out and "reference fwd" in out
-    assert (tmp_path / "bench_tokens_per_s.png").is_file()
+def test_bench_prints_every_backend_and_writes_the_plot(tmp_path):
+    # The same engine as benchmarks/bench_cpu.py (torch_kda.benchmark) on a tiny grid: seconds.
+    out = tmp_path / "out"
+    res = run_cli("bench", "--quick", "--seq-lens", "16", "32", "--heads", "1", "--head-dim", "8",
+                  "--threads", "1", "--reps", "2", "--no-decode", "--out", str(out), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    text = res.stdout
+    expected = ["reference", "compiled"]
+    if torch_kda.available_backends()["native"].available:
+        expected.append("native")
+        assert "native % GEMM" in text and "× reference" in text
+    if importlib.util.find_spec("fla") is not None:
+        expected.append("fla_naive")
+    for mode in ("**forward, fp32**", "**forward + backward, fp32**"):
+        assert mode in text
+    header = next(line for line in text.splitlines() if line.startswith("| shape | thr |"))
+    for backend in expected:
+        assert f"{backend} tok/s" in header
+    assert "B1 T16 H1 K8 V8" in text and "B1 T32 H1 K8 V8" in text and "–[^" not in text
+    assert "GFLOP/s" in text
+    png = out / "bench_tokens_per_s.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(png.resolve()) in text
+    results = json.loads((out / "bench.json").read_text())["results"]
+    assert {r["backend"] for r in results if r["kind"] == "time"} == set(expected)
+    assert (out / "bench.md").read_text().strip() in text

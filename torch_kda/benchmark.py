@@ -1,0 +1,766 @@
+"""The CPU benchmark engine: the native C++ op vs the PyTorch baselines, side by side.
+
+One engine for both front ends: ``benchmarks/bench_cpu.py`` (the full protocol, the numbers in
+docs/benchmarks.md) and ``python -m torch_kda bench`` (the same measurements, standard or
+``--quick`` shapes, from the installed package). Implements the "Performance protocol" of
+DESIGN.md and checks the targets of issue 3. In ONE run, interleaved (every repetition times every
+backend and thread count before the next repetition starts, so a burst of load from other processes
+hits all of them alike; medians are reported):
+
+- ``native``: ``torch_kda.fused_recurrent_kda(..., backend="native")`` (the C++ op).
+- ``reference``: ``torch_kda.reference.fused_recurrent_kda`` (pure PyTorch, a Python loop over T).
+- ``compiled``: ``torch.compile`` of the reference's per-token step (the loop body of the reference
+  recurrence: decay, read, rank-1 write, output), called from a Python loop over T; the gate,
+  L2 norm and sigmoid run eagerly before the loop. Compiling the WHOLE reference unrolls the loop
+  over T into one graph (minutes to compile at T = 64 on 2 cores); it is opt-in with
+  ``--compile-full-max-T`` and then appears as ``compiled_full``.
+- ``fla_naive``: flash-linear-attention's ``naive_recurrent_kda`` (fla/ops/kda/naive.py, loaded by
+  path because ``import fla`` needs Triton). It takes precomputed gates, so it is fed the
+  pre-processed inputs (softplus gate, q/k L2 norm, beta sigmoid computed with the public helpers
+  ``torch_kda.reference.kda_gate`` / ``l2norm`` and ``torch.sigmoid``); that pre-processing is
+  inside the timed region, so all backends do the same work.
+
+Modes: ``fwd`` (forward under ``torch.no_grad()``) and ``fwd_bwd`` (forward + ``backward`` of a
+random output gradient under autograd, gradients of every input incl. ``A_log`` and ``dt_bias``).
+Rates: tokens/s = B*T / median seconds; FLOP rate with 8*K*V FLOPs per token per value head for
+the forward and 32*K*V for forward+backward (forward, recomputation, backward: KDA_SPEC.md),
+as a percentage of the box's own fp32 GEMM rate, ``torch.mm`` of 2048 x 2048 matrices, sampled at
+every configuration with the same thread count (median of the samples).
+
+Peak memory of forward+backward: each (backend, shape) runs in a fresh subprocess, which warms the
+backend up at T = 64, resets the kernel's RSS high-water mark (``/proc/self/clear_refs``), runs one
+forward+backward and reports ``VmHWM - VmRSS(before)``: every byte the process touched, ATen
+tensors, the C++ op's own scratch and the autograd graph alike (tracemalloc would see none of the
+ATen allocations).
+
+Decoding shapes (T = 1, B in {1, 8}, H = 32, with an initial state and the final state returned):
+per-call latency, forward only.
+
+The reference backends are slow at long T (a Python loop; the autograd graph keeps every state):
+they run at T <= ``--baseline-max-T``, their forward+backward only where T*HV <= 16384 (the
+reference's graph holds several K x V states per token: ~3 GB at T*HV = 16384), and each
+(baseline, shape, mode, threads) stops taking repetitions once it has used ``--baseline-budget``
+seconds (at least one run). Where a baseline is skipped the table says so.
+
+Functions: :func:`settings` (the keyword arguments of the standard or quick run), :func:`run`
+(measure, returns a list of result dicts), :func:`format_table` (markdown), :func:`check_targets` /
+:func:`format_targets` (issue 3 targets), :func:`report` (header + tables + targets), :func:`plot`
+(PNG), :func:`bench` (all of these, printing and writing the files), :func:`machine_info`.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import torch_kda
+from torch_kda import reference
+
+__all__ = ["Shape", "STANDARD_SHAPES", "DECODE_SHAPES", "QUICK_SHAPES", "TARGET_SHAPE", "BACKENDS", "DTYPES",
+           "settings", "run", "format_table", "check_targets", "format_targets", "report", "plot", "bench",
+           "machine_info"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BACKENDS = ("native", "reference", "compiled", "fla_naive")
+GEMM_N = 2048
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One problem size; ``decode`` shapes run forward only, with a state in and out."""
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int = 128
+    V: int = 128
+    decode: bool = False
+
+    @property
+    def name(self) -> str:
+        t = f"{self.T // 1024}K" if self.T >= 1024 and self.T % 1024 == 0 else str(self.T)
+        return f"B{self.B} T{t} H{self.H}" + (f" HV{self.HV}" if self.HV != self.H else "") + \
+            (f" K{self.K} V{self.V}" if (self.K, self.V) != (128, 128) else "")
+
+    def flops(self, mode: str) -> float:
+        per = 8 if mode == "fwd" else 32
+        return float(per * self.K * self.V * self.HV * self.B * self.T)
+
+
+STANDARD_SHAPES = tuple(Shape(1, T, H, H) for H in (4, 16) for T in (1024, 4096, 16384))
+DECODE_SHAPES = (Shape(1, 1, 32, 32, decode=True), Shape(8, 1, 32, 32, decode=True))
+TARGET_SHAPE = Shape(1, 4096, 4, 4)
+QUICK_SHAPES = (Shape(1, 1024, 4, 4), TARGET_SHAPE, Shape(1, 1, 32, 32, decode=True))
+# The reference's autograd graph holds a few K x V fp32 states per token and head.
+BASELINE_FWD_BWD_MAX_THV = 16384
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs and backends
+def make_inputs(shape: Shape, dtype: torch.dtype, seed: int = 0, requires_grad: bool = False
+                ) -> Tuple[Dict[str, torch.Tensor], Dict[str, object]]:
+    """Random inputs in FLA's layout with the softplus gate, q/k L2 norm and beta sigmoid in the op.
+
+    Returns (tensors, flags): raw ``q, k [B,T,H,K]``, ``v [B,T,HV,V]``, raw gate ``g [B,T,HV,K]``,
+    beta logits ``[B,T,HV]`` in ``dtype``, fp32 ``A_log [HV]`` and ``dt_bias [HV*K]`` (leaves with
+    ``requires_grad`` if asked); decode shapes add an fp32 ``initial_state [B,HV,K,V]``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    B, T, H, HV, K, V = shape.B, shape.T, shape.H, shape.HV, shape.K, shape.V
+
+    def r(*s, dt=dtype, scale=1.0):
+        return (torch.randn(*s, generator=gen) * scale).to(dt)
+
+    t = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=r(B, T, HV, K), beta=r(B, T, HV),
+             A_log=torch.rand(HV, generator=gen) * 2.7, dt_bias=r(HV * K, dt=torch.float32, scale=0.5))
+    if requires_grad:
+        t = {n: x.requires_grad_(True) for n, x in t.items()}
+    flags: Dict[str, object] = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                                    use_beta_sigmoid_in_kernel=True)
+    if shape.decode:
+        t["initial_state"] = r(B, HV, K, V, dt=torch.float32, scale=0.1)
+        flags["output_final_state"] = True
+    return t, flags
+
+
+def load_fla_naive():
+    """FLA's ``fla/ops/kda/naive.py`` loaded by path (``import fla`` would need Triton), or None."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "ops", "kda", "naive.py")
+    if not os.path.exists(path):
+        return None
+    mspec = importlib.util.spec_from_file_location("fla_kda_naive", path)
+    module = importlib.util.module_from_spec(mspec)
+    mspec.loader.exec_module(module)
+    return module
+
+
+def _preprocess(t: Dict[str, torch.Tensor]):
+    """The in-op pre-processing done in PyTorch for the baselines that take precomputed gates:
+    fp32 l2norm(q), l2norm(k), softplus gate (KDA_SPEC.md), sigmoid(beta)."""
+    q = reference.l2norm(t["q"].float())
+    k = reference.l2norm(t["k"].float())
+    g = reference.kda_gate(t["g"], t["A_log"], t["dt_bias"])
+    beta = torch.sigmoid(t["beta"].float())
+    return q, k, t["v"].float(), g, beta
+
+
+def _ref_step(S, q_t, k_t, v_t, g_t, b_t):
+    """One token of the reference recurrence (same ops as torch_kda.reference's loop body)."""
+    S = S * g_t.exp().unsqueeze(-1)                                  # S' = Diag(a_t) S
+    r = v_t - torch.einsum("nhk,nhkv->nhv", k_t, S)                  # delta-rule error
+    u = b_t.unsqueeze(-1) * r
+    S = S + k_t.unsqueeze(-1) * u.unsqueeze(-2)                     # rank-1 write
+    return S, torch.einsum("nhk,nhkv->nhv", q_t, S)                  # read after the write
+
+
+_COMPILED_STEP = None
+
+
+def _compiled_step():
+    global _COMPILED_STEP
+    if _COMPILED_STEP is None:
+        import torch._dynamo
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+        _COMPILED_STEP = torch.compile(_ref_step, dynamic=False)
+    return _COMPILED_STEP
+
+
+def backend_fn(name: str, fla=None) -> Callable[..., torch.Tensor]:
+    """A callable ``f(tensors, flags) -> o`` (plus the final state for decode shapes, discarded)."""
+    if name == "native":
+        return lambda t, f: torch_kda.fused_recurrent_kda(**t, **f, backend="native")[0]
+    if name == "reference":
+        return lambda t, f: reference.fused_recurrent_kda(**t, **f)[0]
+    if name == "compiled_full":
+        fn = torch.compile(reference.fused_recurrent_kda, dynamic=False)
+        return lambda t, f: fn(**t, **f)[0]
+    if name == "compiled":
+        def compiled(t, f):
+            step = _compiled_step()
+            q, k, v, g, beta = _preprocess(t)
+            group = v.shape[2] // q.shape[2]
+            if group > 1:
+                q, k = q.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
+            q = q * (q.shape[-1] ** -0.5)
+            B, T, HV, V = v.shape
+            S = t["initial_state"].float() if "initial_state" in t else v.new_zeros(B, HV, q.shape[-1], V)
+            outs = []
+            for i in range(T):
+                S, o = step(S, q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i])
+                outs.append(o)
+            return torch.stack(outs, 1).to(t["q"].dtype)
+        return compiled
+    if name == "fla_naive":
+        if fla is None:
+            raise RuntimeError("fla-core is not installed (pip install --no-deps fla-core einops)")
+
+        def fla_naive(t, f):
+            q, k, v, g, beta = _preprocess(t)
+            o, _ = fla.naive_recurrent_kda(q, k, v, g, beta, initial_state=t.get("initial_state"),
+                                           output_final_state=bool(f.get("output_final_state")))
+            return o.to(t["q"].dtype)
+        return fla_naive
+    raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS + ('compiled_full',)}")
+
+
+def _time_call(fn, shape: Shape, dtype: torch.dtype, mode: str, cache: dict) -> float:
+    """Seconds of one call (``fwd`` no_grad, or forward + backward); inputs cached per shape."""
+    key = (shape, dtype, mode)
+    if key not in cache:
+        t, f = make_inputs(shape, dtype, requires_grad=(mode == "fwd_bwd"))
+        do = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=torch.Generator().manual_seed(1)
+                         ).to(dtype)
+        cache[key] = (t, f, do)
+    t, f, do = cache[key]
+    if mode == "fwd":
+        with torch.no_grad():
+            start = time.perf_counter()
+            fn(t, f)
+            return time.perf_counter() - start
+    start = time.perf_counter()
+    o = fn(t, f)
+    o.backward(do)
+    el = time.perf_counter() - start
+    for x in t.values():
+        x.grad = None
+    return el
+
+
+def gemm_gflops(n: int = GEMM_N) -> float:
+    """One sample of the fp32 ``torch.mm`` rate (GFLOP/s) at the current thread count."""
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    torch.mm(a, b)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    return 2.0 * n ** 3 / (time.perf_counter() - start) / 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# peak memory (fresh subprocess per configuration)
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _memory_child(backend: str, shape: Shape, dtype_name: str, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    dtype = DTYPES[dtype_name]
+    fla = load_fla_naive() if backend == "fla_naive" else None
+    fn = backend_fn(backend, fla)
+    cache: dict = {}
+    _time_call(fn, Shape(shape.B, 64, shape.H, shape.HV, shape.K, shape.V), dtype, "fwd_bwd", cache)  # warm up
+    cache.clear()
+    t, f = make_inputs(shape, dtype, requires_grad=True)
+    do = torch.randn(shape.B, shape.T, shape.HV, shape.V).to(dtype)
+    gc.collect()
+    before = _rss_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:  # reset the peak RSS (VmHWM) to the current RSS
+        fh.write("5")
+    o = fn(t, f)
+    o.backward(do)
+    peak = _rss_kb("VmHWM")
+    inputs = sum(x.numel() * x.element_size() for x in t.values())
+    return dict(kind="memory", backend=backend, **_shape_dict(shape), dtype=dtype_name, threads=threads,
+                peak_bytes=(peak - before) * 1024, input_bytes=inputs)
+
+
+# The child imports the torch_kda this process imported (the first sys.path entry is the package's
+# parent), not one that the working directory may shadow.
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(torch_kda.__file__)))
+_MEMORY_CHILD = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
+                 "from torch_kda.benchmark import _memory_child_main; _memory_child_main(sys.argv[2])")
+
+
+def _memory_child_main(arg: str) -> None:
+    c = json.loads(arg)
+    print(json.dumps(_memory_child(c["backend"], Shape(**c["shape"]), c["dtype"], c["threads"])))
+
+
+def measure_peak_memory(backend: str, shape: Shape, dtype_name: str = "fp32", threads: int = 1,
+                        timeout: float = 600.0) -> dict:
+    """Peak extra RSS of one forward+backward, in a fresh Python process (see the module doc)."""
+    arg = json.dumps(dict(backend=backend, shape=asdict(shape), dtype=dtype_name, threads=threads))
+    try:
+        out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, _PACKAGE_PARENT, arg],
+                             capture_output=True, text=True, timeout=timeout, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+        err = getattr(exc, "stderr", "") or ""
+        return dict(kind="memory", backend=backend, **_shape_dict(shape), dtype=dtype_name, threads=threads,
+                    peak_bytes=None, skipped=f"failed: {type(exc).__name__} {err.strip()[-300:]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+def _shape_dict(s: Shape) -> dict:
+    return dict(B=s.B, T=s.T, H=s.H, HV=s.HV, K=s.K, V=s.V, decode=s.decode)
+
+
+def _baseline_skip(backend: str, shape: Shape, mode: str, max_T: int, compile_full_max_T: int) -> Optional[str]:
+    if backend == "native":
+        return None
+    if backend == "compiled_full":
+        if shape.T > compile_full_max_T:
+            return f"whole-reference compile unrolls T; only T <= {compile_full_max_T}"
+        return None
+    if shape.T > max_T:
+        return f"Python loop over T: baselines only at T <= {max_T}"
+    if mode == "fwd_bwd" and shape.T * shape.HV * shape.B > BASELINE_FWD_BWD_MAX_THV:
+        gb = 3 * shape.B * shape.T * shape.HV * shape.K * shape.V * 4 / 2 ** 30
+        return f"autograd graph of the loop would hold ~{gb:.0f} GB"
+    return None
+
+
+def run(shapes: Sequence[Shape] = STANDARD_SHAPES + DECODE_SHAPES,
+        backends: Sequence[str] = BACKENDS,
+        dtypes: Sequence[str] = ("fp32", "bf16"),
+        threads: Sequence[int] = (1, 2),
+        reps: int = 5,
+        min_reps: int = 3,
+        native_budget: float = 6.0,
+        baseline_max_call: float = 30.0,
+        modes: Sequence[str] = ("fwd", "fwd_bwd"),
+        baseline_dtypes: Sequence[str] = ("fp32",),
+        baseline_max_T: int = 4096,
+        baseline_budget: float = 8.0,
+        compile_full_max_T: int = 0,
+        memory: str = "target",
+        decode_reps: int = 30,
+        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> List[dict]:
+    """Measure every (shape, dtype) configuration; returns a list of result dicts.
+
+    Args:
+        shapes: problem sizes (:class:`Shape`); decode shapes are timed forward only, per call.
+        backends: any of ``native``, ``reference``, ``compiled``, ``fla_naive``, ``compiled_full``.
+        dtypes: input dtypes (``fp32``, ``bf16``); the baselines only run in ``baseline_dtypes``
+            (they compute in fp32 whatever the input dtype, as native does).
+        threads: ``torch.set_num_threads`` values, interleaved within each repetition.
+        reps: repetitions of each measurement (median reported). Native stops after ``min_reps``
+            once one (shape, mode, threads) has used ``native_budget`` seconds; a baseline after
+            one repetition once it has used ``baseline_budget`` seconds, and is skipped where its
+            T = 64 warm-up extrapolates to more than ``baseline_max_call`` seconds per call.
+        memory: ``"none"``, ``"target"`` (every backend at TARGET_SHAPE plus native at every fp32
+            non-decode shape) or ``"all"`` (every timed fp32 fwd_bwd configuration).
+
+    Returns:
+        dicts with ``kind`` = ``"time"`` (backend, mode, shape fields, dtype, threads, ``seconds``
+        median, ``times``, ``tokens_per_s``, ``gflops``, ``pct_gemm``, or ``skipped`` with the
+        reason), ``"gemm"`` (threads, ``gflops`` median, ``samples``) and ``"memory"``
+        (``peak_bytes`` of forward+backward).
+    """
+    # shapes may also be given as Shape(...) keyword dicts or (B, T, H, HV[, K, V, decode]) tuples
+    shapes = [s if isinstance(s, Shape) else (Shape(**s) if isinstance(s, dict) else Shape(*s)) for s in shapes]
+    fla = load_fla_naive() if "fla_naive" in backends else None
+    fns = {}
+    results: List[dict] = []
+    for b in backends:
+        if b == "fla_naive" and fla is None:
+            log("fla_naive: fla-core not installed, skipped")
+            continue
+        fns[b] = backend_fn(b, fla)
+    gemm: Dict[int, List[float]] = {n: [] for n in threads}
+    saved_threads = torch.get_num_threads()
+    t_start = time.perf_counter()
+    try:
+        for shape in shapes:
+            for dname in dtypes:
+                dtype = DTYPES[dname]
+                cfg_modes = ("fwd",) if shape.decode else tuple(modes)
+                # (backend, mode, threads) -> list of times / skip reason
+                times: Dict[Tuple[str, str, int], List[float]] = {}
+                skip: Dict[Tuple[str, str, int], str] = {}
+                for b in fns:
+                    for m in cfg_modes:
+                        for n in threads:
+                            why = None
+                            if b != "native" and dname not in baseline_dtypes:
+                                why = f"baselines only in {', '.join(baseline_dtypes)}"
+                            elif not shape.decode:
+                                why = _baseline_skip(b, shape, m, baseline_max_T, compile_full_max_T)
+                            elif b == "compiled_full":
+                                why = None
+                            if why:
+                                skip[(b, m, n)] = why
+                            else:
+                                times[(b, m, n)] = []
+                for n in threads:
+                    torch.set_num_threads(n)
+                    gemm[n].append(gemm_gflops())
+                log(f"[{time.perf_counter() - t_start:6.0f}s] {shape.name} {dname}: "
+                    f"{len(times)} measurements")
+                cache: dict = {}
+                calls = decode_reps if shape.decode else 1
+                # Warm-up: every (backend, mode, threads) once; the baselines at T = 64 (same code
+                # paths), and a baseline whose T = 64 time extrapolates (linearly in T: a loop over
+                # tokens) to more than baseline_max_call seconds per call is skipped.
+                for key in list(times):
+                    b, m, n = key
+                    torch.set_num_threads(n)
+                    if b == "native" or shape.T <= 64:
+                        _time_call(fns[b], shape, dtype, m, cache)
+                        continue
+                    warm = Shape(shape.B, 64, shape.H, shape.HV, shape.K, shape.V, shape.decode)
+                    _time_call(fns[b], warm, dtype, m, cache)
+                    # forward+backward of the baselines grows faster than T (the graph's memory)
+                    est = _time_call(fns[b], warm, dtype, m, cache) * shape.T / 64 * (1.5 if m == "fwd_bwd" else 1)
+                    if est > baseline_max_call:
+                        del times[key]
+                        skip[key] = (f"a T=64 run extrapolates to {est:.0f} s per call at this shape and "
+                                     f"thread count (limit {baseline_max_call:g} s)")
+                for k in [k for k in cache if k[0].T != shape.T]:
+                    del cache[k]
+                for rep in range(reps):
+                    for m in cfg_modes:
+                        for n in threads:
+                            torch.set_num_threads(n)
+                            for b in fns:
+                                key = (b, m, n)
+                                if key not in times:
+                                    continue
+                                budget = native_budget if b == "native" else baseline_budget
+                                if rep >= (min_reps if b == "native" else 1) and sum(times[key]) >= budget:
+                                    continue
+                                ts = [_time_call(fns[b], shape, dtype, m, cache) for _ in range(calls)]
+                                times[key].extend(ts)
+                for key, why in skip.items():
+                    b, m, n = key
+                    results.append(dict(kind="time", backend=b, mode=m, **_shape_dict(shape), dtype=dname,
+                                        threads=n, skipped=why))
+                for key, ts in times.items():
+                    b, m, n = key
+                    sec = statistics.median(ts)
+                    results.append(dict(kind="time", backend=b, mode=m, **_shape_dict(shape), dtype=dname,
+                                        threads=n, seconds=sec, times=ts, reps=len(ts),
+                                        tokens_per_s=shape.B * shape.T / sec,
+                                        gflops=shape.flops(m) / sec / 1e9))
+                cache.clear()
+        for n in threads:
+            results.append(dict(kind="gemm", threads=n, n=GEMM_N, gflops=statistics.median(gemm[n]),
+                                samples=gemm[n]))
+        for r in results:
+            if r["kind"] == "time" and "gflops" in r:
+                r["pct_gemm"] = 100.0 * r["gflops"] / statistics.median(gemm[r["threads"]])
+        # peak memory, fresh subprocess each
+        mem_cfgs = []
+        if memory != "none":
+            for shape in shapes:
+                if shape.decode or "fp32" not in dtypes:
+                    continue
+                for b in fns:
+                    if _baseline_skip(b, shape, "fwd_bwd", baseline_max_T, compile_full_max_T):
+                        continue
+                    if memory == "all" or (memory == "target" and (b == "native" or shape == TARGET_SHAPE)):
+                        mem_cfgs.append((b, shape))
+        for b, shape in mem_cfgs:
+            log(f"[{time.perf_counter() - t_start:6.0f}s] peak memory {b} {shape.name}")
+            results.append(measure_peak_memory(b, shape, "fp32", threads=min(threads)))
+    finally:
+        torch.set_num_threads(saved_threads)
+    log(f"[{time.perf_counter() - t_start:6.0f}s] done")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# reporting
+def _find(results, **kw) -> Optional[dict]:
+    for r in results:
+        if all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+
+
+def _shape_from(r: dict) -> Shape:
+    return Shape(r["B"], r["T"], r["H"], r["HV"], r["K"], r["V"], r["decode"])
+
+
+def format_table(results: List[dict]) -> str:
+    """Markdown: GEMM rates, one throughput table per (mode, dtype), decoding latency, peak memory."""
+    out: List[str] = []
+    gemms = [r for r in results if r["kind"] == "gemm"]
+    if gemms:
+        out.append(f"fp32 GEMM (`torch.mm`, {GEMM_N}^3), median of per-configuration samples: " + ", ".join(
+            f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}: {r['gflops']:.1f} GFLOP/s "
+            f"(min {min(r['samples']):.1f}, max {max(r['samples']):.1f})" for r in gemms))
+        out.append("")
+    timed = [r for r in results if r["kind"] == "time"]
+    backends = [b for b in BACKENDS + ("compiled_full",) if any(r["backend"] == b for r in timed)]
+    threads = sorted({r["threads"] for r in timed})
+    dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in timed)]
+    notes: Dict[str, int] = {}
+
+    def cell(r: Optional[dict], val: Callable[[dict], str]) -> str:
+        if r is None:
+            return ""
+        if "skipped" in r:
+            i = notes.setdefault(r["skipped"], len(notes) + 1)
+            return f"–[^{i}]"
+        return val(r)
+
+    for mode, title in (("fwd", "forward"), ("fwd_bwd", "forward + backward")):
+        for d in dtypes:
+            rows = [r for r in timed if r["mode"] == mode and r["dtype"] == d and not r["decode"]]
+            if not rows:
+                continue
+            shapes = sorted({_shape_from(r) for r in rows}, key=lambda s: (s.H, s.HV, s.T, s.B))
+            out.append(f"**{title}, {d}**: tokens/s (median), native's % of the fp32 GEMM rate at the same "
+                       f"thread count, native's speed-up over each baseline")
+            out.append("")
+            hdr = ["shape", "thr"] + [f"{b} tok/s" for b in backends] + ["native % GEMM"] + \
+                  [f"× {b}" for b in backends if b != "native"]
+            out.append("| " + " | ".join(hdr) + " |")
+            out.append("|" + "---|" * len(hdr))
+            for s in shapes:
+                for n in threads:
+                    get = {b: _find(rows, backend=b, threads=n, **_shape_dict(s)) for b in backends}
+                    if all(v is None for v in get.values()):
+                        continue
+                    nat = get.get("native")
+                    line = [s.name, str(n)]
+                    line += [cell(get[b], lambda r: _fmt_rate(r["tokens_per_s"])) for b in backends]
+                    line.append(cell(nat, lambda r: f"{r['pct_gemm']:.1f}%" if "pct_gemm" in r else ""))
+                    for b in backends:
+                        if b == "native":
+                            continue
+                        if nat and "seconds" in nat and get[b] and "seconds" in get[b]:
+                            line.append(f"{get[b]['seconds'] / nat['seconds']:,.1f}×")
+                        else:
+                            line.append(cell(get[b], lambda r: ""))
+                    out.append("| " + " | ".join(line) + " |")
+            out.append("")
+    dec = [r for r in timed if r["decode"]]
+    if dec:
+        out.append("**decoding** (T = 1, state in and out, forward): median latency per call, µs")
+        out.append("")
+        hdr = ["shape", "dtype", "thr"] + backends
+        out.append("| " + " | ".join(hdr) + " |")
+        out.append("|" + "---|" * len(hdr))
+        for s in sorted({_shape_from(r) for r in dec}, key=lambda s: (s.B, s.H)):
+            for d in dtypes:
+                for n in threads:
+                    get = {b: _find(dec, backend=b, threads=n, dtype=d, **_shape_dict(s)) for b in backends}
+                    if all(v is None for v in get.values()):
+                        continue
+                    out.append("| " + " | ".join([s.name, d, str(n)] + [
+                        cell(get[b], lambda r: f"{r['seconds'] * 1e6:,.0f}") for b in backends]) + " |")
+        out.append("")
+    mem = [r for r in results if r["kind"] == "memory"]
+    if mem:
+        out.append("**peak memory of one forward + backward** (fp32; extra RSS high-water over the "
+                   "pre-call RSS, fresh process; inputs and their gradients included)")
+        out.append("")
+        out.append("| shape | backend | peak MB | inputs MB |")
+        out.append("|---|---|---|---|")
+        for r in mem:
+            pk = f"{r['peak_bytes'] / 2 ** 20:,.1f}" if r.get("peak_bytes") is not None else r.get("skipped", "")
+            out.append(f"| {_shape_from(r).name} | {r['backend']} | {pk} | "
+                       f"{r.get('input_bytes', 0) / 2 ** 20:,.1f} |")
+        out.append("")
+    if notes:
+        for why, i in notes.items():
+            out.append(f"[^{i}]: not run: {why}.")
+        out.append("")
+    return "\n".join(out)
+
+
+def check_targets(results: List[dict], shape: Shape = TARGET_SHAPE) -> List[dict]:
+    """The issue 3 targets at ``shape`` (fp32), one dict per (target, thread count) with
+    ``name``, ``threads``, ``value``, ``target``, ``passed`` (None where not measured)."""
+    rows: List[dict] = []
+    sd = _shape_dict(shape)
+    threads = sorted({r["threads"] for r in results if r["kind"] == "time"})
+
+    def t(b, m, n):
+        return _find(results, kind="time", backend=b, mode=m, dtype="fp32", threads=n, **sd)
+
+    def add(name, n, value, target, higher=True, unit="×"):
+        passed = None if value is None else (value >= target if higher else value <= target)
+        rows.append(dict(name=name, threads=n, value=value, target=target, higher=higher, unit=unit,
+                         passed=passed))
+
+    for n in threads:
+        for m, label in (("fwd", "forward"), ("fwd_bwd", "forward+backward (autograd)")):
+            nat, ref = t("native", m, n), t("reference", m, n)
+            v = ref["seconds"] / nat["seconds"] if nat and ref and "seconds" in nat and "seconds" in ref else None
+            add(f"{label} speed-up vs reference", n, v, 30.0)
+        for m, label, tgt in (("fwd", "forward % of GEMM rate", 50.0),
+                              ("fwd_bwd", "forward+backward % of GEMM rate", 30.0)):
+            nat = t("native", m, n)
+            add(label, n, nat.get("pct_gemm") if nat else None, tgt, unit="%")
+    mn = _find(results, kind="memory", backend="native", **sd)
+    mr = _find(results, kind="memory", backend="reference", **sd)
+    v = (mn["peak_bytes"] / mr["peak_bytes"]) if mn and mr and mn.get("peak_bytes") and mr.get("peak_bytes") else None
+    add("backward peak memory, native / reference", min(threads) if threads else 1, v, 0.1, higher=False,
+        unit="")
+    if 1 in threads and 2 in threads:
+        for m, label in (("fwd", "forward"), ("fwd_bwd", "forward+backward")):
+            a, b = t("native", m, 1), t("native", m, 2)
+            add(f"{label}: 2 threads vs 1", 2, a["seconds"] / b["seconds"] if a and b else None, 1.7)
+    return rows
+
+
+def format_targets(rows: List[dict], shape: Shape = TARGET_SHAPE) -> str:
+    out = [f"**issue 3 targets** at {shape.name}, K=V={shape.K}, fp32, gate + L2 norm + sigmoid in the op", "",
+           "| target | threads | measured | required | result |", "|---|---|---|---|---|"]
+    for r in rows:
+        val = "not measured" if r["value"] is None else (
+            f"{r['value']:.1f}{r['unit']}" if r["unit"] else f"{r['value']:.3f}")
+        req = ("≥ " if r["higher"] else "≤ ") + (f"{r['target']:g}{r['unit']}" if r["unit"] else f"{r['target']:g}")
+        res = "–" if r["passed"] is None else ("PASS" if r["passed"] else "FAIL")
+        out.append(f"| {r['name']} | {r['threads']} | {val} | {req} | {res} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(results: List[dict], path: str, dtype: str = "fp32", threads: Optional[int] = None) -> None:
+    """PNG of tokens/s by T per backend (one panel per mode, a line style per H, up to four), at ``threads``
+    (default: the smallest thread count measured, the least disturbed on a shared machine)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in results if r["kind"] == "time" and "seconds" in r and not r["decode"]
+             and r["dtype"] == dtype]
+    if not timed:
+        return
+    n = threads if threads is not None else min(r["threads"] for r in timed)
+    colors = {"native": "tab:green", "reference": "tab:blue", "compiled": "tab:orange",
+              "fla_naive": "tab:red", "compiled_full": "tab:purple"}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110, sharey=True)
+    for ax, (mode, title) in zip(axes, (("fwd", "forward"), ("fwd_bwd", "forward + backward"))):
+        for H, style in zip(sorted({r["H"] for r in timed}), ("o-", "s--", "^:", "d-.")):
+            for b in colors:
+                pts = sorted((r["T"], r["tokens_per_s"]) for r in timed
+                             if r["backend"] == b and r["mode"] == mode and r["H"] == H and r["threads"] == n)
+                if pts:
+                    ax.plot(*zip(*pts), style, color=colors[b], lw=1.5, ms=4, label=f"{b} H={H}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_title(f"{title}, {dtype}, {n} thread(s), B=1, K=V={timed[0]['K']}", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("tokens / s")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def machine_info(source_dir: Optional[str] = None) -> dict:
+    """CPU model, logical CPUs, versions, load average, and the git commit measured: that of
+    ``source_dir``'s checkout (the scripts pass their own folder), overridden by the environment
+    variable ``TORCH_KDA_COMMIT`` (the commit the installed package was built from)."""
+    model = platform.processor()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    commit = None
+    if source_dir:
+        try:
+            commit = subprocess.run(["git", "-C", source_dir, "rev-parse", "--short", "HEAD"],
+                                    capture_output=True, text=True).stdout.strip() or None
+        except OSError:
+            pass
+    commit = os.environ.get("TORCH_KDA_COMMIT", commit)
+    return dict(cpu=model, logical_cpus=os.cpu_count(), torch=torch.__version__,
+                torch_kda=getattr(torch_kda, "__version__", None), python=platform.python_version(),
+                commit=commit, load_avg=os.getloadavg(), torch_kda_path=os.path.dirname(torch_kda.__file__))
+
+
+def default_threads() -> List[int]:
+    """1 and 2 threads (the issue 3 scaling target), or 1 on a one-core machine."""
+    return [1, 2] if (os.cpu_count() or 1) >= 2 else [1]
+
+
+def settings(quick: bool = False, *, seq_lens: Optional[Sequence[int]] = None,
+             heads: Optional[Sequence[int]] = None, head_dim: Optional[int] = None, decode: bool = True,
+             **overrides: Any) -> Dict[str, Any]:
+    """The keyword arguments of :func:`run` for the standard run or the ``quick`` subset.
+
+    Standard: :data:`STANDARD_SHAPES` (+ :data:`DECODE_SHAPES`), fp32 and bf16, 5 repetitions,
+    baselines at T <= 4096, peak memory at the target shape. Quick (about a minute on 2 cores):
+    T = 1K and the target shape (+ one decoding shape), fp32, 3 repetitions, baselines at T = 1K
+    only, no memory. ``seq_lens`` / ``heads`` / ``head_dim`` replace the shapes by the grid
+    B = 1, T x (H = HV), K = V = ``head_dim`` (default 128); ``decode=False`` drops the decoding
+    shapes; ``overrides`` (any :func:`run` argument, None meaning "the default") win over both.
+    """
+    if seq_lens or heads or head_dim:
+        d = head_dim or 128
+        shapes = [Shape(1, T, H, H, d, d) for H in (heads or [4, 16]) for T in (seq_lens or [1024, 4096, 16384])]
+        shapes += list(DECODE_SHAPES) if decode else []
+    elif quick:
+        shapes = list(QUICK_SHAPES[:2]) + ([QUICK_SHAPES[2]] if decode else [])
+    else:
+        shapes = list(STANDARD_SHAPES) + (list(DECODE_SHAPES) if decode else [])
+    kw: Dict[str, Any] = dict(
+        shapes=shapes, backends=list(BACKENDS), dtypes=["fp32"] if quick else ["fp32", "bf16"],
+        threads=default_threads(), reps=3 if quick else 5, native_budget=2.0 if quick else 6.0,
+        baseline_max_T=1024 if quick else 4096, baseline_budget=3.0 if quick else 8.0,
+        baseline_max_call=5.0 if quick else 30.0, compile_full_max_T=0,
+        memory="none" if quick else "target", decode_reps=10 if quick else 30)
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return kw
+
+
+def report(results: List[dict], info: dict, command: str, wall_s: float) -> str:
+    """Markdown: a header line (command, machine, commit, load average at start and end, wall time),
+    :func:`format_table`, and the issue 3 targets where the target shape was measured in fp32."""
+    load_end = os.getloadavg()[0]
+    out = (f"`{command.strip()}` — {info['cpu']}, {info['logical_cpus']} logical CPUs, torch {info['torch']}, "
+           f"commit {info['commit']}, load average {info['load_avg'][0]:.1f} at start, {load_end:.1f} at end, "
+           f"wall {wall_s:.0f} s\n\n" + format_table(results))
+    if _find(results, kind="time", backend="native", dtype="fp32", **_shape_dict(TARGET_SHAPE)):
+        out += "\n" + format_targets(check_targets(results))
+    return out
+
+
+def bench(kw: Dict[str, Any], command: str, info: Optional[dict] = None, out_md: Optional[str] = None,
+          out_json: Optional[str] = None, out_png: Optional[str] = None,
+          log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> List[dict]:
+    """Run :func:`run` with ``kw`` (see :func:`settings`), print :func:`report`, and write it
+    (``out_md``), the machine info + arguments + results (``out_json``) and :func:`plot` (``out_png``).
+
+    Returns:
+        the result dicts of :func:`run`.
+    """
+    info = info or machine_info()
+    t0 = time.perf_counter()
+    results = run(**kw, log=log)
+    wall = time.perf_counter() - t0
+    text = report(results, info, command, wall)
+    print(text, flush=True)
+    if out_md:
+        with open(out_md, "w") as fh:
+            fh.write(text)
+    if out_json:
+        with open(out_json, "w") as fh:
+            args = {k: [asdict(s) if isinstance(s, Shape) else s for s in v] if k == "shapes" else v
+                    for k, v in kw.items()}
+            json.dump(dict(machine=info, args=args, wall_s=wall, results=results), fh, indent=1)
+    if out_png:
+        plot(results, out_png)
+    return results

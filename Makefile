@@ -23,6 +23,13 @@ demo: install
 
 test: install test-python test-cpp
 
+# The CPU benchmark (docs/benchmarks.md) and the install check, through the installed command.
+bench: install
+	$(VENV)/bin/torch-kda bench
+
+check: install
+	$(VENV)/bin/torch-kda check
+
 # --- set-up ---------------------------------------------------------------------------------------
 $(PY):
 	$(PYTHON) -m venv $(VENV)

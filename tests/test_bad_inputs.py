@@ -60,7 +60,8 @@ PY_CASES = [
     ("lower-bound-value", dict(lower_bound=-math.inf), ValueError, ["lower_bound", "-inf"]),
     ("lower-bound-value", dict(lower_bound=math.nan), ValueError, ["lower_bound", "nan"]),
     ("lower-bound-value", dict(lower_bound=0.0), ValueError, ["lower_bound", "0.0"]),
-    ("scale", dict(scale=math.inf), TypeError, ["scale", "inf"]),
+    ("scale", dict(scale=math.inf), ValueError, ["scale must be finite", "inf"]),
+    ("scale", dict(scale=math.nan), ValueError, ["scale must be finite", "nan"]),
     ("scale", dict(scale=True), TypeError, ["scale"]),
     ("heads", _empty_dim(2, ("q", "k")), ValueError, ["H", "HV"]),
     # Zero-sized K, V or HV: the native op rejects them; the Python checks must too (a clean

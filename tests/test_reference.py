@@ -197,3 +197,17 @@ def test_kda_gate_forms():
     assert (bounded >= -3.0).all() and (bounded < 0).all()
     assert reference.kda_gate(g.float(), A.float(), None, -1.0).dtype == torch.float32
     assert reference.kda_gate(g.bfloat16(), A.float(), None, -1.0).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunk_full_forget_matches_recurrence(dtype):
+    """An infinite log-decay (exp(g) = 0, a full forget) stays finite and exact in the chunk form."""
+    p = make_problem(B=1, T=20, H=1, HV=2, K=4, V=3, gate="none", seed=14, seqlens=(8, 12), dtype=dtype)
+    p.g = p.g.clone()
+    p.g[0, 12, 0, 1] = -float("inf")
+    p.g[0, 3, 1, :] = -1e30
+    o_ref, s_ref = oracle_kda(*p.args, **p.kwargs)
+    o, s = reference.chunk_kda(*p.args, **p.kwargs, chunk_size=8)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol

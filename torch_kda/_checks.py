@@ -179,8 +179,10 @@ def check_kda_inputs(
 
     if scale is None:
         scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale!r}")
 
     lower_bound = _check_lower_bound(lower_bound, safe_gate)
     if use_gate_in_kernel:

@@ -108,7 +108,8 @@ def fused_recurrent_kda(
         use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)`` in the op.
         allow_neg_eigval: ``beta = 2 * sigmoid(beta)`` (needs ``use_beta_sigmoid_in_kernel``).
         lower_bound: with ``use_gate_in_kernel``, selects the bounded gate (a float in ``[-5, 0)``
-            typically; must be negative).
+            typically; must be negative). Without ``use_gate_in_kernel`` it is, as in FLA, only a
+            promise that ``g >= lower_bound`` (it licenses ``safe_gate``) and is not applied.
         state_v_first: states are stored transposed, ``[N, HV, V, K]`` (FLA's V-first layout).
         cu_seqlens: ``[N + 1]`` int64/int32 offsets of packed variable-length sequences
             (``B == 1``, starts at 0, non-decreasing, ends at T).

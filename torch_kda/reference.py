@@ -24,6 +24,7 @@ __all__ = ["fused_recurrent_kda", "chunk_kda", "kda_gate", "l2norm"]
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
+FULL_FORGET = 100.0  # chunkwise form: per-step log-decays are clamped at -FULL_FORGET (see _chunk_scan)
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -140,6 +141,11 @@ def _chunk_scan(q, k, v, g, beta, S, chunk_size: int):
         q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
         beta = F.pad(beta, (0, 0, 0, pad))
     # [n, T, h, d] -> [n, h, chunks, C, d]
+    # A per-step log-decay below -FULL_FORGET is a full forget in floating point (exp(-100) is
+    # 4e-44); clamping it keeps the in-chunk differences G_i - G_j finite (an infinite decay would
+    # give -inf - -inf = NaN) and bounds the cancellation in them. No effect on gradients: d/dg of
+    # exp(g) is itself below 4e-44 there.
+    g = g.clamp(min=-FULL_FORGET)
     q, k, v, g = (x.unflatten(1, (-1, chunk_size)).permute(0, 3, 1, 2, 4) for x in (q, k, v, g))
     beta = beta.unflatten(1, (-1, chunk_size)).permute(0, 3, 1, 2)
     eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
@@ -222,7 +228,11 @@ def chunk_kda(
 
     Same arguments, shapes, dtypes and errors as :func:`torch_kda.chunk_kda`; any ``T`` (the last
     chunk is padded exactly), finite under the strongest decays (exponents are formed as
-    differences ``G_i - G_j <= 0`` before ``exp``), causal. Differentiable to any order. Source:
+    differences ``G_i - G_j <= 0`` before ``exp``; per-step log-decays below ``-FULL_FORGET`` =
+    -100, a full forget, are clamped there), causal. One difference from the recurrence: a NaN or
+    Inf input can also reach EARLIER outputs of its own chunk (the chunk's matrix products
+    multiply masked zeros by it); other sequences are never affected. Differentiable to any
+    order. Source:
     KDA_SPEC.md "Chunkwise form" (Kimi Linear report, arXiv 2510.26692, Eq. 10).
     """
     x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,

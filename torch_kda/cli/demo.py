@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..api import available_backends
 from .common import UsageError, busy_machine_threads, positive_float, positive_int, shadowing_hint
-from .data import Corpus, CorpusError, bits, load_corpus, unigram_entropy
+from .data import Corpus, bits, load_corpus, unigram_entropy
 from .model import ByteLM, ByteLMConfig
 
 __all__ = ["add_arguments", "run", "DemoError"]
@@ -239,9 +239,10 @@ def _run(args: argparse.Namespace) -> int:
                         f"for this text ({corpus.train.numel()} training / {corpus.val.numel()} held-out "
                         f"bytes), got {args.seq_len}")
     baseline = unigram_entropy(corpus.val)
-    print(f"torch-kda demo: a byte-level KDA language model trained on CPU on real text")
+    print("torch-kda demo: a byte-level KDA language model trained on CPU on real text")
     print(f"  corpus    {corpus.source}")
-    print(f"            {corpus.train.numel():,} training bytes, {corpus.val.numel():,} held-out bytes (unseen files)")
+    held_out = "unseen files" if corpus.n_files > 1 else "the file's tail"
+    print(f"            {corpus.train.numel():,} training bytes, {corpus.val.numel():,} held-out bytes ({held_out})")
     print(f"  baseline  unigram (byte-frequency) entropy of the held-out bytes: {baseline:.4f} nats/byte "
           f"({bits(baseline):.3f} bits/byte)")
 
@@ -262,7 +263,7 @@ def _run(args: argparse.Namespace) -> int:
         hint = shadowing_hint()
         if hint:
             print(f"            {hint}")
-        print(f"            -> continuing on the reference backend (pure PyTorch); no native gradient check")
+        print("            -> continuing on the reference backend (pure PyTorch); no native gradient check")
 
     eval_windows = _eval_windows(corpus.val, 8, args.seq_len)
     final_windows = _eval_windows(corpus.val, 48, args.seq_len)
@@ -345,7 +346,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"held-out loss  {final:.4f} nats/byte ({bits(final):.3f} bits/byte) on {n_eval:,} unseen bytes")
     print(f"unigram        {baseline:.4f} nats/byte ({bits(baseline):.3f} bits/byte)  -> "
           + (f"{baseline - final:.3f} nats/byte BELOW the baseline ({100 * (1 - final / baseline):.0f}% lower)"
-             if below else f"NOT below the baseline (train longer: --steps)"))
+             if below else "NOT below the baseline (train longer: --steps)"))
     metrics.update(final_val_loss=final, train_time_s=train_time, tokens=tokens,
                    train_losses=losses, val_steps=val_steps, val_losses=val_losses)
 

@@ -16,8 +16,7 @@ TORCH_PREFIX = $$($(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_p
 
 .PHONY: demo test setup install test-python test-cpp bench check fuzz test-sanitize clean
 
-# The installed console script, not `python -m` from here: the source tree's torch_kda/ (without
-# the built libkda.so) would shadow the installed package.
+# The installed console script (the package lives in src/, so the source tree never shadows it).
 demo: install
 	$(VENV)/bin/torch-kda demo
 

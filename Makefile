@@ -10,6 +10,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 FLA_VERSION ?= 0.6.0
+TRITON_VERSION ?= 3.9.0
 JOBS ?= 2
 BUILD_CPP := build/cpp
 TORCH_PREFIX = $$($(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
@@ -40,8 +41,10 @@ $(VENV)/.setup-done: pyproject.toml Makefile | $(PY)
 	$(PIP) install -q "scikit-build-core>=0.10" ninja "pytest>=7" "hypothesis>=6" numpy tqdm matplotlib einops
 	@# transformers ships the Hugging Face Kimi-Linear model the weight converter is tested against.
 	$(PIP) install -q transformers==5.24.0
-	@# FLA's naive KDA is an independent test oracle; the wheel is pure Python (its Triton part is not used).
+	@# FLA's naive KDA is an independent test oracle, and torch_kda.integrations.fla plugs into FLA's
+	@# backend registry; `import fla.ops.kda` needs Triton, whose PyPI wheel imports without a GPU.
 	$(PIP) install -q --no-deps fla-core==$(FLA_VERSION)
+	$(PIP) install -q triton==$(TRITON_VERSION)
 	command -v cmake >/dev/null 2>&1 || $(PIP) install -q cmake
 	@if [ ! -f /usr/include/gtest/gtest.h ]; then \
 	  echo "installing GoogleTest (libgtest-dev) with apt-get"; \

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, nargs="+", default=None, metavar="N",
                    help="thread counts, interleaved (default: %s)" % " ".join(map(str, benchmark.default_threads())))
     p.add_argument("--reps", type=positive_int, default=None, help="repetitions (default 5; --quick 3)")
+    p.add_argument("--peers", metavar="DIR", default=None,
+                   help="instead: torch-kda vs llama.cpp's ggml and ExecuTorch, built into DIR by "
+                        "benchmarks/peers/setup.sh (prefill B1 T4K H4/H16, decode B1/B8/B64 H32; peers.md, peers.json)")
     p.add_argument("--out", metavar="DIR", default="out",
                    help="directory for bench_tokens_per_s.png, bench.md, bench.json (default: ./%(default)s)")
 
@@ -48,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _command(args: argparse.Namespace) -> str:
     """The command line that asked for this run, for the report's header."""
     words = ["python -m torch_kda bench"]
-    for name in ("quick", "seq_lens", "heads", "head_dim", "no_decode", "backends", "threads", "reps"):
+    for name in ("peers", "quick", "seq_lens", "heads", "head_dim", "no_decode", "backends", "threads", "reps"):
         value = getattr(args, name)
         if value is None or value is False:
             continue
@@ -65,6 +68,18 @@ def run(args: argparse.Namespace) -> int:
         UsageError: ``--backends native`` (or the default) without a native build.
     """
     status = available_backends()
+    if args.peers:
+        from .. import peers
+        if not status["native"].available:
+            raise UsageError(f"--peers: the native backend is unavailable here: {status['native'].reason}")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            peers.bench_peers(args.peers, _command(args), threads=args.threads or benchmark.default_threads(),
+                              reps=args.reps or 5, out_md=str(out / "peers.md"), out_json=str(out / "peers.json"))
+        except FileNotFoundError as exc:
+            raise UsageError(f"--peers: {exc}") from exc
+        return 0
     backends = args.backends or [b for b in benchmark.BACKENDS if b != "native" or status["native"].available]
     if "native" in backends and not status["native"].available:
         hint = shadowing_hint()

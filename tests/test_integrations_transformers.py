@@ -1,0 +1,129 @@
+"""Hugging Face transformers' Kimi-Linear with its KDA run by torch-kda (integrations.transformers).
+
+A tiny random ``KimiLinearForCausalLM`` (built from a config, no network) is compared with itself
+on transformers' own pure-PyTorch KDA path: prefill logits, greedy generation with the cache, a
+training step's gradients, a left-padded batch, a save/reload round trip. ``make test`` installs
+FLA + Triton, so transformers has bound FLA's Triton kernels here; the routes must not reach them.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kda_testing import rel_err
+from torch_kda.integrations.transformers import kda_layers, use_torch_kda
+
+from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
+
+VOCAB = 97
+
+
+def tiny_model(seed: int = 0, layers=("linear_attention", "full_attention", "linear_attention")):
+    cfg = KimiLinearConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=len(layers), num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_experts=4, num_experts_per_token=2,
+        linear_num_heads=2, linear_head_dim=16, layer_types=list(layers), initializer_range=0.2,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    return KimiLinearForCausalLM(cfg).eval()
+
+
+def pair(seed: int = 0):
+    """(transformers' own pure-PyTorch KDA, torch-kda) on identical weights."""
+    model = tiny_model(seed)
+    return use_torch_kda(copy.deepcopy(model), "transformers"), use_torch_kda(model)
+
+
+def ids(shape, seed):
+    return torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_prefill_logits_match_transformers_own_path():
+    ref, fast = pair(1)
+    x = ids((2, 300), 11)
+    with torch.no_grad():
+        expected, got = ref(x).logits, fast(x).logits
+    assert rel_err(got, expected) < 1e-5
+
+
+def test_greedy_generation_with_cache_is_token_identical():
+    ref, fast = pair(2)
+    prompt = ids((1, 24), 12)
+    expected = ref.generate(prompt, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+    got = fast.generate(prompt, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+    assert got.shape == (1, 56) and torch.equal(got, expected)
+    assert len(set(got[0, 24:].tolist())) > 4  # a real continuation, not one repeated token
+
+
+def test_training_step_gradients_match_transformers_own_path():
+    ref, fast = pair(3)
+    ref.train()
+    fast.train()
+    x = ids((2, 150), 13)
+    grads = []
+    for model in (ref, fast):
+        model.zero_grad()
+        model(x, labels=x).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    expected, got = grads
+    assert set(got) == set(expected)
+    kda_names = [n for n in got if ".self_attn." in n and ("A_log" in n or "q_proj" in n or "dt_bias" in n)]
+    assert kda_names  # the KDA layers' own parameters are among them
+    for name in expected:
+        assert rel_err(got[name], expected[name]) < 1e-5, name
+
+
+def test_left_padded_batch_matches_transformers_own_path_and_unpadded_rows():
+    ref, fast = pair(4)
+    x = ids((2, 40), 14)
+    mask = torch.ones_like(x)
+    mask[1, :13] = 0  # row 1: 13 pad tokens on the left
+    x[1, :13] = 0
+    with torch.no_grad():
+        expected = ref(x, attention_mask=mask).logits
+        got = fast(x, attention_mask=mask).logits
+        alone = fast(x[1:, 13:]).logits
+    assert rel_err(got, expected) < 1e-5
+    assert rel_err(got[1:, 13:], alone) < 1e-5
+
+
+def test_save_and_reload_from_a_local_folder(tmp_path):
+    model = tiny_model(5)
+    model.save_pretrained(tmp_path)
+    reloaded = use_torch_kda(KimiLinearForCausalLM.from_pretrained(tmp_path).eval())
+    ref = use_torch_kda(model, "transformers")
+    x = ids((1, 70), 15)
+    with torch.no_grad():
+        assert rel_err(reloaded(x).logits, ref(x).logits) < 1e-5
+
+
+def test_routing_is_per_model_and_errors_name_the_argument():
+    plain = tiny_model(6)
+    use_torch_kda(tiny_model(6))
+    # A model that was not routed still calls whatever transformers bound (here FLA's Triton
+    # kernels, which fail on CPU): the routers installed for another model do not touch it.
+    with pytest.raises(RuntimeError, match="active drivers"):
+        with torch.no_grad():
+            plain(ids((1, 8), 16))
+    assert len(kda_layers(plain)) == 2
+    with pytest.raises(ValueError, match="implementation"):
+        use_torch_kda(plain, "fla")
+    with pytest.raises(ValueError, match="KimiLinearDeltaAttention"):
+        use_torch_kda(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="model"):
+        use_torch_kda("model")
+
+
+def test_importing_torch_kda_and_its_integrations_imports_no_third_party_library():
+    code = ("import sys, torch_kda, torch_kda.integrations, torch_kda.integrations.fla, "
+            "torch_kda.integrations.transformers\n"
+            "bad = [m for m in ('fla', 'transformers', 'kernels', 'triton') if m in sys.modules]\n"
+            "assert not bad, bad\nprint('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

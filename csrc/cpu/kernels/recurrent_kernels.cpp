@@ -1,8 +1,10 @@
 // Fused recurrent KDA: forward and backward inner loops for one unit of work.
 //
 // Compiled once per instruction set (KDA_ISA = avx512 | avx2 | generic, see cmake/KdaKernels.cmake).
-// The code is written with GCC/Clang vector extensions: one "vector" is 64 bytes (16 floats or
-// 8 doubles), lowered by the compiler to one zmm, two ymm or four xmm registers.
+// The code is written with GCC/Clang vector extensions: one "vector" is KDA_VEC_BYTES bytes, the
+// register width of the instruction set: 64 (one zmm) with AVX-512, 32 (one ymm) with AVX2. Wider
+// vectors than the registers (64-byte vectors under AVX2) made GCC 12 move halves through general
+// registers and the stack: the AVX2 kernels ran at ~10% of the GEMM rate instead of ~75%.
 //
 // Math: ../../../KDA_SPEC.md ("Forward recurrence", "Backward of the recurrence"). A unit owns a
 // K x W slice of the state (W <= 32 floats: 16 KB at K = 128, resident in L1 for all T) and never
@@ -21,6 +23,14 @@
 #error "KDA_ISA must name the instruction set this file is compiled for"
 #endif
 
+#if defined(__AVX512F__)
+#define KDA_VEC_BYTES 64
+#elif defined(__AVX2__)
+#define KDA_VEC_BYTES 32
+#else
+#define KDA_VEC_BYTES 64
+#endif
+
 namespace kda {
 namespace kernels {
 namespace KDA_ISA {
@@ -30,20 +40,22 @@ template <typename T>
 struct VecOf;
 template <>
 struct VecOf<float> {
-  typedef float type __attribute__((vector_size(64)));
+  typedef float type __attribute__((vector_size(KDA_VEC_BYTES)));
 };
 template <>
 struct VecOf<double> {
-  typedef double type __attribute__((vector_size(64)));
+  typedef double type __attribute__((vector_size(KDA_VEC_BYTES)));
 };
 template <typename T>
 using vec_t = typename VecOf<T>::type;
 template <typename T>
-constexpr int64_t kLanes = 64 / static_cast<int64_t>(sizeof(T));
+constexpr int64_t kLanes = KDA_VEC_BYTES / static_cast<int64_t>(sizeof(T));
 
 // Rows of the state processed per step of the row loops (independent accumulators).
 #if defined(__AVX512F__)
 constexpr int kRows = 4;
+#elif defined(__AVX2__)
+constexpr int kRows = 1;  // 16 ymm registers: NV = 4 columns of o and r accumulators per row
 #else
 constexpr int kRows = 2;
 #endif
@@ -131,11 +143,11 @@ template <typename T>
 struct MaskOf;
 template <>
 struct MaskOf<float> {
-  typedef int32_t type __attribute__((vector_size(64)));
+  typedef int32_t type __attribute__((vector_size(KDA_VEC_BYTES)));
 };
 template <>
 struct MaskOf<double> {
-  typedef int64_t type __attribute__((vector_size(64)));
+  typedef int64_t type __attribute__((vector_size(KDA_VEC_BYTES)));
 };
 
 // Lane masks for one level: a/b take the first/second half of each bs-lane block of X and Y.
@@ -156,7 +168,7 @@ inline void level_masks(int64_t bs, typename MaskOf<T>::type& ma, typename MaskO
 template <typename T>
 struct ReduceMasks {
   static constexpr int64_t L = kLanes<T>;
-  static constexpr int kLevels = L == 16 ? 4 : 3;
+  static constexpr int kLevels = L == 16 ? 4 : (L == 8 ? 3 : (L == 4 ? 2 : 1));
   typename MaskOf<T>::type a[4], b[4], natural;
   ReduceMasks() {
     int64_t bs = L;
@@ -340,7 +352,7 @@ inline double s_exp(double x) { return __builtin_exp(x); }
 // Elementwise math on vectors. float: vectorised exp/log (about 1 ulp), so the pre-processing
 // is not dominated by scalar libm calls; double: libm per lane (exact to the last bits).
 inline vec_t<float> vexp(vec_t<float> x) {
-  typedef int32_t vi __attribute__((vector_size(64)));
+  typedef int32_t vi __attribute__((vector_size(KDA_VEC_BYTES)));
   const vec_t<float> lo = splat<float>(-87.33654f), hi = splat<float>(88.72283f);
   const vec_t<float> xc = x < lo ? lo : (x > hi ? hi : x);
   // n = round(x / ln 2) by the 1.5 * 2^23 trick; r = x - n ln 2 in two parts.
@@ -374,7 +386,7 @@ inline vec_t<float> vexp(vec_t<float> x) {
 
 // log(u) for u > 0 finite (u in [1, 2] here).
 inline vec_t<float> vlog(vec_t<float> u) {
-  typedef int32_t vi __attribute__((vector_size(64)));
+  typedef int32_t vi __attribute__((vector_size(KDA_VEC_BYTES)));
   vi bits;
   std::memcpy(&bits, &u, sizeof(bits));
   vi e = ((bits >> 23) & 0xff) - 127;
@@ -417,7 +429,7 @@ inline vec_t<float> vsigmoid(vec_t<float> z) { return 1.0f / (1.0f + vexp(-z)); 
 
 template <typename F>
 inline vec_t<double> per_lane(vec_t<double> x, F f) {
-  for (int l = 0; l < 8; ++l) x[l] = f(x[l]);
+  for (int l = 0; l < kLanes<double>; ++l) x[l] = f(x[l]);
   return x;
 }
 inline vec_t<double> vexp(vec_t<double> x) {
@@ -575,7 +587,7 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
     } else if (nv == 3) {
       load_slice<T, 3>(Si, src, K, Vd, width);
     } else {
-      load_slice<T, 4>(Si, src, K, Vd, width);
+      load_slice<T, static_cast<int>(NVmax)>(Si, src, K, Vd, width);
     }
   }
   for (int64_t t0 = ts; t0 < te; t0 += kBlock) {
@@ -592,7 +604,8 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
       } else if (nv == 3 || NVmax <= 3) {
         fwd_block<T, (NVmax >= 3 ? 3 : 1)>(A, n, hv, j0, width, t0, t1, Si, ri, zeros.data());
       } else {
-        fwd_block<T, (NVmax >= 4 ? 4 : 1)>(A, n, hv, j0, width, t0, t1, Si, ri, zeros.data());
+        // Wider slices (doubles under AVX2) run the NVmax variant; padded columns stay zero.
+        fwd_block<T, static_cast<int>(NVmax)>(A, n, hv, j0, width, t0, t1, Si, ri, zeros.data());
       }
     }
   }
@@ -608,7 +621,7 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
     } else if (nv == 3) {
       store_slice<T, 3>(dst, Si, K, Vd, width);
     } else {
-      store_slice<T, 4>(dst, Si, K, Vd, width);
+      store_slice<T, static_cast<int>(NVmax)>(dst, Si, K, Vd, width);
     }
   }
 }

@@ -63,7 +63,7 @@ def test_each_subcommand_has_help(command, capsys):
     (["demo", "--seq-len", "-5"], "--seq-len: expected a positive integer, got -5"),
     (["demo", "--batch-size", "two"], "--batch-size: expected a positive integer, got 'two'"),
     (["demo", "--lr", "0"], "--lr: expected a positive number"),
-    (["--steps", "0"], "--steps: expected a positive integer"),  # no command means demo
+    (["--steps", "5"], "expected a command (demo, bench or check) before the options, got --steps 5"),
     (["demo", "--backend", "cuda"], "invalid choice"),
     (["bench", "--seq-lens", "0"], "expected a positive integer"),
     (["check", "--tol", "-1"], "--tol: expected a positive number"),
@@ -73,6 +73,77 @@ def test_bad_arguments_exit_2_with_message(args, message, capsys):
     code, _, err = call_main(args, capsys)
     assert code == 2
     assert message in err
+
+
+def test_no_arguments_print_the_usage_and_exit_2(capsys):
+    code, out, err = call_main([], capsys)
+    assert code == 2
+    assert "usage:" in err and "{demo,bench,check}" in err and out == ""
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("the demo started its work before checking --out")
+
+
+def test_demo_out_an_existing_file_exits_2_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("torch_kda.cli.demo.load_corpus", _no_work)
+    existing = tmp_path / "results.txt"
+    existing.write_text("keep me")
+    code, _, err = call_main(["demo", "--out", str(existing)], capsys)  # default sizes: minutes if it ran
+    assert code == 2
+    assert f"--out: expected a folder, got an existing file: {existing}" in err
+    assert existing.read_text() == "keep me"
+
+
+def test_demo_out_that_cannot_be_created_exits_2_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("torch_kda.cli.demo.load_corpus", _no_work)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    code, _, err = call_main(["demo", "--out", str(a_file / "sub")], capsys)
+    assert code == 2
+    assert f"--out: cannot create or write into the folder {a_file / 'sub'}" in err
+
+
+def test_bench_out_an_existing_file_exits_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("torch_kda.benchmark.bench", _no_work)
+    existing = tmp_path / "bench.md"
+    existing.write_text("")
+    code, _, err = call_main(["bench", "--quick", "--out", str(existing)], capsys)
+    assert code == 2
+    assert "--out: expected a folder, got an existing file" in err
+
+
+@pytest.mark.parametrize("command, module", [("demo", "tqdm"), ("demo", "matplotlib"), ("bench", "matplotlib")])
+def test_a_missing_cli_extra_names_the_install_command(command, module, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, module, None)  # what an install without the `cli` extra looks like
+    monkeypatch.setattr("torch_kda.cli.demo.load_corpus", _no_work)
+    monkeypatch.setattr("torch_kda.benchmark.bench", _no_work)
+    code, _, err = call_main([command, "--out", str(tmp_path)], capsys)
+    assert code == 1
+    assert module in err and 'pip install "torch-kda[cli]"' in err
+
+
+def test_bench_summary_speaks_of_ratios_not_of_targets():
+    from torch_kda import benchmark
+
+    rows = [dict(name="forward speed-up vs reference", threads=1, value=3.0 + torch_rand(), target=30.0,
+                 higher=True, unit="×", passed=False),
+            dict(name="forward % of GEMM rate", threads=1, value=10.0 + torch_rand(), target=50.0,
+                 higher=True, unit="%", passed=False),
+            dict(name="forward: 2 threads vs 1", threads=2, value=None, target=1.7, higher=True, unit="×",
+                 passed=None)]
+    text = benchmark.format_targets(rows, verdicts=False)
+    assert "GEMM rate" in text and f"{rows[0]['value']:.1f}×" in text
+    for word in ("issue", "target", "FAIL", "PASS", "required", "not measured"):
+        assert word not in text
+    info = dict(cpu="cpu", logical_cpus=2, torch="2", commit=None, load_avg=(0.5, 0.5, 0.5))
+    assert "commit" not in benchmark.report([], info, "torch-kda bench", 1.0, verdicts=False)
+
+
+def torch_rand() -> float:
+    import torch
+
+    return float(torch.rand(()))
 
 
 def test_bad_argument_in_a_subprocess_exits_2_without_traceback():
@@ -147,8 +218,8 @@ def test_tiny_demo_trains_checks_decoding_and_writes_the_plot(tmp_path):
     assert 0 < metrics["unigram_entropy"] < 8
 
 
-def test_demo_is_the_default_command_and_reads_text(tmp_path, python_text, capsys):
-    code, out, _ = call_main([*TINY, "--text", str(python_text), "--out", str(tmp_path), "--seed", "3"], capsys)
+def test_demo_reads_text(tmp_path, python_text, capsys):
+    code, out, _ = call_main(["demo", *TINY, "--text", str(python_text), "--out", str(tmp_path), "--seed", "3"], capsys)
     assert code == 0, out
     assert str(python_text) in out
     assert "seed 3" in out

@@ -620,7 +620,18 @@ def check_targets(results: List[dict], shape: Shape = TARGET_SHAPE) -> List[dict
     return rows
 
 
-def format_targets(rows: List[dict], shape: Shape = TARGET_SHAPE) -> str:
+def format_targets(rows: List[dict], shape: Shape = TARGET_SHAPE, verdicts: bool = True) -> str:
+    """Markdown table of :func:`check_targets`' rows. ``verdicts=False`` (what ``python -m torch_kda
+    bench`` prints) gives the measured ratios only, as a summary, without the project's targets."""
+    if not verdicts:
+        out = [f"**summary** at {shape.name}, K=V={shape.K}, fp32, gate + L2 norm + sigmoid in the op: "
+               "native's speed-up over the reference and its ratio to this machine's fp32 GEMM rate", "",
+               "| measure | threads | measured |", "|---|---|---|"]
+        for r in rows:
+            if r["value"] is not None:
+                val = f"{r['value']:.1f}{r['unit']}" if r["unit"] else f"{r['value']:.3f}"
+                out.append(f"| {r['name']} | {r['threads']} | {val} |")
+        return "\n".join(out) + "\n"
     out = [f"**issue 3 targets** at {shape.name}, K=V={shape.K}, fp32, gate + L2 norm + sigmoid in the op", "",
            "| target | threads | measured | required | result |", "|---|---|---|---|---|"]
     for r in rows:
@@ -726,23 +737,27 @@ def settings(quick: bool = False, *, seq_lens: Optional[Sequence[int]] = None,
     return kw
 
 
-def report(results: List[dict], info: dict, command: str, wall_s: float) -> str:
-    """Markdown: a header line (command, machine, commit, load average at start and end, wall time),
-    :func:`format_table`, and the issue 3 targets where the target shape was measured in fp32."""
+def report(results: List[dict], info: dict, command: str, wall_s: float, verdicts: bool = True) -> str:
+    """Markdown: a header line (command, machine, commit where known, load average at start and end,
+    wall time), :func:`format_table`, and the issue 3 targets where the target shape was measured in
+    fp32 (``verdicts=False``: the measured ratios only, see :func:`format_targets`)."""
     load_end = os.getloadavg()[0]
+    commit = f"commit {info['commit']}, " if info.get("commit") else ""
     out = (f"`{command.strip()}` — {info['cpu']}, {info['logical_cpus']} logical CPUs, torch {info['torch']}, "
-           f"commit {info['commit']}, load average {info['load_avg'][0]:.1f} at start, {load_end:.1f} at end, "
+           f"{commit}load average {info['load_avg'][0]:.1f} at start, {load_end:.1f} at end, "
            f"wall {wall_s:.0f} s\n\n" + format_table(results))
     if _find(results, kind="time", backend="native", dtype="fp32", **_shape_dict(TARGET_SHAPE)):
-        out += "\n" + format_targets(check_targets(results))
+        out += "\n" + format_targets(check_targets(results), verdicts=verdicts)
     return out
 
 
 def bench(kw: Dict[str, Any], command: str, info: Optional[dict] = None, out_md: Optional[str] = None,
           out_json: Optional[str] = None, out_png: Optional[str] = None,
-          log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> List[dict]:
-    """Run :func:`run` with ``kw`` (see :func:`settings`), print :func:`report`, and write it
-    (``out_md``), the machine info + arguments + results (``out_json``) and :func:`plot` (``out_png``).
+          log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+          verdicts: bool = True) -> List[dict]:
+    """Run :func:`run` with ``kw`` (see :func:`settings`), print :func:`report` (``verdicts``: see
+    :func:`format_targets`), and write it (``out_md``), the machine info + arguments + results
+    (``out_json``) and :func:`plot` (``out_png``).
 
     Returns:
         the result dicts of :func:`run`.
@@ -751,7 +766,7 @@ def bench(kw: Dict[str, Any], command: str, info: Optional[dict] = None, out_md:
     t0 = time.perf_counter()
     results = run(**kw, log=log)
     wall = time.perf_counter() - t0
-    text = report(results, info, command, wall)
+    text = report(results, info, command, wall, verdicts=verdicts)
     print(text, flush=True)
     if out_md:
         with open(out_md, "w") as fh:

@@ -1,16 +1,20 @@
 """The command line: ``python -m torch_kda demo | bench | check`` (also the ``torch-kda`` command).
 
-- ``demo`` (the default): train a small byte-level KDA language model on real text on CPU;
+- ``demo``: train a small byte-level KDA language model on real text on CPU;
 - ``bench``: tokens/s of the backends by sequence length, a table and a PNG plot;
 - ``check``: validate the installed backends against a float64 run; non-zero exit on failure.
 
-Bad arguments (non-positive sizes, a missing or empty ``--text`` file, ...) end with exit status 2
-and an argparse-style message, as argparse's own errors do.
+Without a command the usage is printed (exit status 2). Bad arguments (non-positive sizes, a
+missing or empty ``--text`` file, an ``--out`` that cannot be written, ...) end with exit status 2
+and an argparse-style message, as argparse's own errors do, before any work starts. ``demo`` and
+``bench`` need the ``cli`` extra (tqdm, matplotlib: ``pip install "torch-kda[cli]"``); without it
+they say so and exit with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -25,13 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with the ``demo``, ``bench`` and ``check`` subcommands."""
     from . import bench, check, demo
 
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     parser = argparse.ArgumentParser(
-        prog="python -m torch_kda",
-        description="torch-kda: Kimi Delta Attention for PyTorch. Without a command, runs `demo`.",
+        prog="torch-kda" if script.startswith("torch-kda") else "python -m torch_kda",
+        description="torch-kda: Kimi Delta Attention for PyTorch. Try `demo` first.",
     )
     parser.add_argument("--version", action="version", version=f"torch-kda {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,bench,check}")
-    p = sub.add_parser("demo", help="train a small byte-level KDA language model on real text (CPU, ~3 min)",
+    p = sub.add_parser("demo", help="train a small byte-level KDA language model on real text (CPU, a few minutes)",
                        description=demo.__doc__.split("\n\n")[0].split(": ", 1)[-1])
     demo.add_arguments(p)
     p.set_defaults(run=demo.run, subparser=p)
@@ -50,24 +55,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``python -m torch_kda`` and of the ``torch-kda`` console script.
 
     Args:
-        argv: the arguments (default ``sys.argv[1:]``). With no command (nothing, or options
-            only), ``demo`` runs.
+        argv: the arguments (default ``sys.argv[1:]``).
 
     Returns:
-        the exit status: 0 on success, 1 when a check failed, 2 for bad arguments (argparse
-        exits with 2 itself for malformed options).
+        the exit status: 0 on success, 1 when a check failed or an optional package the command
+        needs is missing, 2 for bad arguments or no command (argparse exits with 2 itself for
+        malformed options).
     """
-    from .common import UsageError
+    from .common import MissingExtra, UsageError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
-        argv = ["demo"] + argv
     parser = build_parser()
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
+    if argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        parser.error(f"expected a command (demo, bench or check) before the options, got {' '.join(argv)}")
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))
     except UsageError as exc:
         args.subparser.error(str(exc))  # exits with status 2
+    except MissingExtra as exc:
+        print(f"{args.subparser.prog}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -22,7 +22,7 @@ import torch
 
 from .. import reference
 from ..api import available_backends, chunk_kda, fused_recurrent_kda
-from .common import positive_float, shadowing_hint
+from .common import positive_float
 
 __all__ = ["add_arguments", "run", "CASES", "make_inputs", "check_backends"]
 
@@ -221,9 +221,6 @@ def run(args: argparse.Namespace) -> int:
     print()
     if not status["native"].available:
         print("note: the native backend is not installed here, so only the reference was checked")
-        hint = shadowing_hint()
-        if hint:
-            print(f"note: {hint}")
     print(f"{len(rows) - n_fail}/{len(rows)} passed in {time.perf_counter() - t0:.1f} s"
           + ("" if n_fail == 0 else f"; {n_fail} FAILED"))
     return 0 if n_fail == 0 else 1

@@ -1,20 +1,29 @@
-"""Helpers shared by the subcommands: the usage error and argparse value types."""
+"""Helpers shared by the subcommands: the usage errors, argparse value types, output folders."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
+import tempfile
+from pathlib import Path
 
 import torch
 
-__all__ = ["UsageError", "positive_int", "positive_float", "busy_machine_threads", "shadowing_hint"]
+__all__ = ["UsageError", "MissingExtra", "positive_int", "positive_float", "require_extra", "output_dir",
+           "busy_machine_threads"]
 
 
 class UsageError(ValueError):
     """A bad argument found after parsing (missing or empty ``--text`` file, ``--seq-len`` longer
     than the text, a backend that is not installed...). The CLI prints it argparse-style and exits
     with status 2."""
+
+
+class MissingExtra(RuntimeError):
+    """A package of the optional ``cli`` extra (tqdm, matplotlib) that a command needs is not
+    installed; the CLI prints the message (which names the install command) and exits with 1."""
 
 
 def positive_int(text: str) -> int:
@@ -39,31 +48,36 @@ def positive_float(text: str) -> float:
     return value
 
 
-def shadowing_hint() -> str:
-    """Why the native op may be missing although it is installed, or ``""``.
+def require_extra(command: str, *modules: str) -> None:
+    """Raise :class:`MissingExtra` naming the install command when a module of the ``cli`` extra
+    (``tqdm``, ``matplotlib``) that ``command`` needs is not installed."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingExtra(f"error: `{command}` needs {' and '.join(missing)}, which "
+                           f"{'is' if len(missing) == 1 else 'are'} not installed: run "
+                           f"`pip install \"torch-kda[cli]\"` (or `pip install {' '.join(missing)}`)")
 
-    ``python -m torch_kda`` run from a source checkout imports the checkout's ``torch_kda`` (the
-    current directory comes first on ``sys.path``), which has no built library, while ``pip
-    install .`` put one into site-packages. Returns a sentence saying so and what to run instead.
+
+def output_dir(path: str, option: str = "--out") -> Path:
+    """Create the output folder ``path`` now, before any work, and check that files can be
+    written into it; returns it as a :class:`~pathlib.Path`.
+
+    Raises:
+        UsageError: ``path`` is an existing file, or a folder that cannot be created or written
+            to (the message names ``option`` and the path).
     """
-    from importlib import metadata
-    from pathlib import Path
-
-    import torch_kda
-
-    here = Path(torch_kda.__file__).resolve().parent
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{option}: expected a folder, got an existing file: {out}")
     try:
-        files = metadata.distribution("torch-kda").files or []
-    except metadata.PackageNotFoundError:
-        return ""
-    for f in files:
-        if f.name.startswith("libkda.") or (f.name.startswith("kda.") and f.name.endswith(".dll")):
-            lib = Path(f.locate()).resolve()
-            if lib.exists() and lib.parent != here:
-                return (f"this process imported torch_kda from {here} (the current directory shadows the "
-                        f"installed package, which has the native op in {lib.parent}); run `torch-kda ...` "
-                        f"or `python -m torch_kda` from another directory")
-    return ""
+        out.mkdir(parents=True, exist_ok=True)
+        # A real write (not os.access, which says yes to root on any folder of a writable mount).
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot create or write into the folder {out}: "
+                         f"{exc.strerror or exc}") from None
+    return out
 
 
 def busy_machine_threads() -> str:

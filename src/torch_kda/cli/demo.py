@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ..api import available_backends
-from .common import UsageError, busy_machine_threads, positive_float, positive_int, shadowing_hint
+from .common import (UsageError, busy_machine_threads, output_dir, positive_float, positive_int,
+                     require_extra)
 from .data import Corpus, bits, load_corpus, unigram_entropy
 from .model import ByteLM, ByteLMConfig
 
@@ -219,8 +220,16 @@ def _run(args: argparse.Namespace) -> int:
         CorpusError: the text is missing, empty or too short (the CLI exits with status 2).
         DemoError: ``--backend native`` without a native build, or ``--seq-len`` too long for
             the held-out text (exit status 2).
+        UsageError: ``--out`` is a file or a folder that cannot be written (exit status 2).
+        MissingExtra: tqdm or matplotlib is not installed (exit status 1).
     """
     t_start = time.perf_counter()
+    # Everything that can fail without training fails first: missing packages, the output folder.
+    require_extra("demo", "tqdm", "matplotlib")
+    out = output_dir(args.out)
+    for name in ("demo_loss.png", "demo_metrics.json"):
+        if (out / name).is_dir():
+            raise UsageError(f"--out: {out / name} is a folder; the demo writes a file of that name")
     threads_note = ""
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -260,9 +269,6 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  NOTE      {threads_note}")
     if not native_ok:
         print(f"  NOTE      the native backend is unavailable: {native_reason}")
-        hint = shadowing_hint()
-        if hint:
-            print(f"            {hint}")
         print("            -> continuing on the reference backend (pure PyTorch); no native gradient check")
 
     eval_windows = _eval_windows(corpus.val, 8, args.seq_len)
@@ -350,8 +356,6 @@ def _run(args: argparse.Namespace) -> int:
     metrics.update(final_val_loss=final, train_time_s=train_time, tokens=tokens,
                    train_losses=losses, val_steps=val_steps, val_losses=val_losses)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     png = out / "demo_loss.png"
     title = (f"byte-level KDA LM ({n_params / 1e6:.2f}M params, backend {train_backend}) on "
              f"{'Python stdlib sources' if args.text is None else Path(args.text).name}")

@@ -1,6 +1,7 @@
 # torch-kda: every target does its own set-up, so each works on a fresh machine.
 #   make demo   - install everything, then run the main demo (python -m torch_kda demo)
-#   make test   - install everything, then run the Python and C++ test suites
+#   make test   - install everything, then run the Python and C++ test suites and check the wheels
+#                 (native and pure-Python) installed into a separate venv
 # Torch is pinned (torch==2.13.0, the CPU wheel kept on these machines): an unpinned resolve would
 # download a multi-GB CUDA build.
 
@@ -15,13 +16,13 @@ JOBS ?= 2
 BUILD_CPP := build/cpp
 TORCH_PREFIX = $$($(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 
-.PHONY: demo test setup install test-python test-cpp bench check fuzz test-sanitize clean
+.PHONY: demo test setup install test-python test-cpp test-wheel bench check fuzz test-sanitize clean
 
 # The installed console script (the package lives in src/, so the source tree never shadows it).
 demo: install
 	$(VENV)/bin/torch-kda demo
 
-test: install test-python test-cpp
+test: install test-python test-cpp test-wheel
 
 # The CPU benchmark (docs/benchmarks.md) and the install check, through the installed command.
 bench: install
@@ -55,14 +56,15 @@ $(VENV)/.setup-done: pyproject.toml Makefile | $(PY)
 
 setup: $(VENV)/.setup-done
 
-# The package with its native operator, built against the installed torch. TORCH_KDA_REQUIRE_EXT=1
-# makes a failed native build an error here (a user's plain `pip install` falls back to pure Python).
+# The package with its native operator, built against the installed torch (a failed native build
+# is an error; TORCH_KDA_BUILD_EXT=0 would build the pure-Python package instead).
 install: setup
-	TORCH_KDA_REQUIRE_EXT=1 CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PIP) install -q --no-build-isolation --no-deps .
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PIP) install -q --no-build-isolation --no-deps .
 
 # --- tests ----------------------------------------------------------------------------------------
+# From the repository root: the package lives in src/, so `import torch_kda` finds the installed one.
 test-python: install
-	cd tests && ../$(PY) -m pytest -q -p no:cacheprovider .
+	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # The same library built by CMake alone, its GoogleTest suite (ctest), and the C++ example built
 # against the installed CMake package with find_package(TorchKDA).
@@ -77,6 +79,20 @@ test-cpp: setup
 	  -DCMAKE_PREFIX_PATH="$(CURDIR)/$(BUILD_CPP)/install;$(TORCH_PREFIX)"
 	cmake --build $(BUILD_CPP)/example -j $(JOBS)
 	$(BUILD_CPP)/example/kda_example
+
+# The wheels as a user gets them: the native wheel and the pure-Python one (TORCH_KDA_BUILD_EXT=0),
+# each installed into a venv that holds only the pinned torch (made once: installing torch takes a
+# minute) and checked there (tests/check_wheels.sh says what). The native wheel reuses the CMake
+# build folder of `install`, so it costs a link and the packaging.
+WHEEL_VENV := build/wheel-venv
+$(WHEEL_VENV)/.torch-done: | $(PY)
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	touch $@
+
+test-wheel: install $(WHEEL_VENV)/.torch-done
+	JOBS=$(JOBS) bash tests/check_wheels.sh $(PY) $(WHEEL_VENV) build/wheels
 
 # Property tests at scale: thousands of hypothesis cases (profile "fuzz", tests/test_properties.py).
 # FUZZ_EXAMPLES=N overrides the number of cases per property.

@@ -1,8 +1,8 @@
 """The suite tests the installed package, native operator included: nothing is skipped.
 
-Run it from this directory (``make test`` does) so that ``import torch_kda`` finds the installed
-package with its ``libkda`` rather than the source tree. A package without the native library
-(``TORCH_KDA_BUILD_EXT=0``) fails here at once, with the reason, instead of skipping tests.
+It imports the installed ``torch_kda`` (regular or editable install; the package lives in
+``src/``, so running from the repository root does not shadow it). A package without the native
+library (``TORCH_KDA_BUILD_EXT=0``) fails here at once, with the reason, instead of skipping tests.
 """
 
 import pytest
@@ -19,5 +19,5 @@ def pytest_sessionstart(session):
     if _native.LOAD_ERROR is not None:
         raise pytest.UsageError(
             f"the native operator is unavailable ({_native.LOAD_ERROR}); the test suite needs it. "
-            f"Imported torch_kda from {torch_kda.__file__}: run `make test`, or run pytest from "
-            "tests/ after `pip install --no-build-isolation .`")
+            f"Imported torch_kda from {torch_kda.__file__}: run `make test`, or pytest after "
+            "`pip install --no-build-isolation .`")

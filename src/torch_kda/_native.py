@@ -1,34 +1,69 @@
 """Loads the native C++ operator library (``torch.ops.kda.*``) shipped inside the package.
 
-The library is optional: a pure-Python install (``TORCH_KDA_BUILD_EXT=0``, or a machine without a
-compiler) has none, and then :data:`LOAD_ERROR` says why, for ``available_backends()``.
+The library is optional: a pure-Python install (``TORCH_KDA_BUILD_EXT=0``) has none, and then
+:data:`LOAD_ERROR` says why, for ``available_backends()``. It is looked up in every folder of the
+package's ``__path__``: a regular install has one (site-packages/torch_kda); an editable install
+(``pip install --no-build-isolation -e .``, scikit-build-core) has two, the source folder
+(src/torch_kda, the Python files) and site-packages/torch_kda (where CMake installed ``libkda``).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from ._checks import KDAInputs
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
+_FIX = ("reinstall with `pip install --no-build-isolation .` (`-e .` for an editable install; it needs "
+        "torch, CMake and a C++17 compiler, see README.md)")
+
+
+def _search_dirs() -> List[Path]:
+    """The package's folders, in import order (``__path__``; this file's folder as a fall-back)."""
+    package = sys.modules.get(__package__ or "torch_kda")
+    dirs = [Path(d).resolve() for d in getattr(package, "__path__", None) or []]
+    return [d for i, d in enumerate(dirs) if d not in dirs[:i]] or [_PACKAGE_DIR]
+
+
+def _why_missing(dirs: List[Path]) -> str:
+    """The reason no library was found, told apart by what the installed distribution says."""
+    from importlib import metadata
+
+    where = " or ".join(str(d) for d in dirs)
+    try:
+        dist = metadata.distribution("torch-kda")
+    except metadata.PackageNotFoundError:
+        return (f"no native library (libkda) in {where}: torch_kda was imported from a source tree "
+                f"that is not installed; {_FIX}")
+    if "py3-none-any" in (dist.read_text("WHEEL") or ""):
+        return (f"the installed torch-kda is the pure-Python package (built with TORCH_KDA_BUILD_EXT=0), "
+                f"without the native library; {_FIX}")
+    libs = [Path(str(f.locate())).resolve() for f in dist.files or []
+            if f.name.startswith("libkda.") or (f.name.startswith("kda.") and f.name.endswith(".dll"))]
+    elsewhere = [lib for lib in libs if lib.parent not in dirs]
+    if elsewhere:
+        return (f"torch_kda was imported from {where}, which has no native library, while the installed "
+                f"torch-kda has it in {elsewhere[0].parent}: another copy of the package comes first on "
+                f"sys.path (PYTHONPATH?)")
+    return f"the native library (libkda) is missing from {where} (removed after the install?); {_FIX}"
 
 
 def _load() -> Optional[str]:
     """Load ``libkda`` into the torch.ops registry; return None on success, else the reason."""
-    candidates = sorted(_PACKAGE_DIR.glob("libkda.*")) + sorted(_PACKAGE_DIR.glob("kda.*.dll"))
+    dirs = _search_dirs()
+    candidates = [c for d in dirs for c in sorted(d.glob("libkda.*")) + sorted(d.glob("kda.*.dll"))]
     if not candidates:
-        return ("the native library was not built (installed with TORCH_KDA_BUILD_EXT=0, or the C++ "
-                "build failed or found no compiler); reinstall with "
-                "`pip install --no-build-isolation .` and a C++17 compiler")
+        return _why_missing(dirs)
     try:
         torch.ops.load_library(str(candidates[0]))
     except Exception as exc:  # a stale or ABI-incompatible build must not break `import torch_kda`
-        return f"the native library {candidates[0].name} failed to load: {exc}"
+        return f"the native library {candidates[0]} failed to load: {exc}"
     if not hasattr(torch.ops.kda, "fused_recurrent"):
-        return f"the native library {candidates[0].name} does not register kda::fused_recurrent"
+        return f"the native library {candidates[0]} does not register kda::fused_recurrent"
     return None
 
 

@@ -10,6 +10,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
+# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+# on a machine where pip's default index would give the CUDA build.
+TORCH_PIP_ARGS ?=
 FLA_VERSION ?= 0.6.0
 TRITON_VERSION ?= 3.9.0
 JOBS ?= 2
@@ -38,7 +41,7 @@ $(PY):
 # Python packages (torch pinned), CMake/Ninja for the native build, GoogleTest for the C++ suite.
 $(VENV)/.setup-done: pyproject.toml Makefile | $(PY)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS)
 	$(PIP) install -q "scikit-build-core>=0.10" ninja "pytest>=7" "hypothesis>=6" numpy tqdm matplotlib einops
 	@# transformers ships the Hugging Face Kimi-Linear model the weight converter is tested against.
 	$(PIP) install -q transformers==5.24.0
@@ -88,7 +91,7 @@ WHEEL_VENV := build/wheel-venv
 $(WHEEL_VENV)/.torch-done: | $(PY)
 	rm -rf $(WHEEL_VENV)
 	$(PYTHON) -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(WHEEL_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS)
 	touch $@
 
 test-wheel: install $(WHEEL_VENV)/.torch-done

@@ -75,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
         from .. import peers
         if not status["native"].available:
             raise UsageError(f"--peers: the native backend is unavailable here: {status['native'].reason}")
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        out = output_dir(args.out)
         try:
             peers.bench_peers(args.peers, _command(args), threads=args.threads or benchmark.default_threads(),
                               reps=args.reps or 5, out_md=str(out / "peers.md"), out_json=str(out / "peers.json"))

@@ -63,7 +63,7 @@ def test_each_subcommand_has_help(command, capsys):
     (["demo", "--seq-len", "-5"], "--seq-len: expected a positive integer, got -5"),
     (["demo", "--batch-size", "two"], "--batch-size: expected a positive integer, got 'two'"),
     (["demo", "--lr", "0"], "--lr: expected a positive number"),
-    (["--steps", "5"], "expected a command (demo, bench or check) before the options, got --steps 5"),
+    (["--steps", "5"], "expected a command (demo, bench, check) before the options, got --steps 5"),
     (["demo", "--backend", "cuda"], "invalid choice"),
     (["bench", "--seq-lens", "0"], "expected a positive integer"),
     (["check", "--tol", "-1"], "--tol: expected a positive number"),

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="torch-kda: Kimi Delta Attention for PyTorch. Try `demo` first.",
     )
     parser.add_argument("--version", action="version", version=f"torch-kda {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,bench,check}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(_COMMANDS) + "}")
     p = sub.add_parser("demo", help="train a small byte-level KDA language model on real text (CPU, a few minutes)",
                        description=demo.__doc__.split("\n\n")[0].split(": ", 1)[-1])
     demo.add_arguments(p)
@@ -70,7 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
-        parser.error(f"expected a command (demo, bench or check) before the options, got {' '.join(argv)}")
+        parser.error(f"expected a command ({', '.join(_COMMANDS)}) before the options, got {' '.join(argv)}")
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))

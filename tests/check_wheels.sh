@@ -7,6 +7,8 @@
 # holding only the pinned torch and its dependencies (the Makefile creates it once, since
 # installing torch takes a minute); each run removes torch-kda from it first, so what is checked
 # is a fresh install of each wheel into an environment without this project.
+#  0. an editable install of the checkout into PYTHON's env loads the native op (then the regular
+#     install is restored);
 #  1. the native wheel (pip wheel --no-build-isolation): a platform tag, libkda and LICENSE inside;
 #     installed with its dependencies resolved by pip (torch only: tqdm and matplotlib are the
 #     `cli` extra), it imports without them, available_backends()["native"] is available, the op
@@ -18,10 +20,33 @@ ROOT=$(pwd)
 abs() { case $1 in /*) echo "$1";; *) echo "$ROOT/$1";; esac; }
 PY=$(abs "$1") VENV=$(abs "$2") WHEELS=$(abs "$3")
 VPY=$VENV/bin/python
+export CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-2}
+# Run a pip command: its output only where it failed or said something (this machine's pip
+# configuration warns about two unused local indexes on every call: left out).
+pipq() {
+  local out rc=0
+  out=$("$@" 2>&1) || rc=$?
+  if [ -n "$out" ]; then grep -v "^WARNING: Location" <<<"$out" || true; fi
+  return $rc
+}
 rm -rf "$WHEELS" && mkdir -p "$WHEELS/native" "$WHEELS/pure"
 
+echo "== editable install (pip install --no-build-isolation -e .) into PYTHON's env: loads libkda"
+# scikit-build-core leaves the Python files in src/ and installs libkda into site-packages; the
+# package's __path__ has both folders. The regular install is put back afterwards.
+pipq "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+(cd "$ROOT/tests" && "$PY" - "$ROOT" <<'EOF'
+import sys, torch_kda
+st = torch_kda.available_backends()["native"]
+assert torch_kda.__file__.startswith(sys.argv[1] + "/src/"), f"not the editable checkout: {torch_kda.__file__}"
+assert st.available, f"native unavailable in the editable install: {st.reason}"
+print(f"   editable: {torch_kda.__file__}, native available")
+EOF
+)
+pipq "$PY" -m pip install -q --no-build-isolation --no-deps .
+
 echo "== native wheel: build (reuses the CMake build folder of make install)"
-CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-2} "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$WHEELS/native" .
+"$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$WHEELS/native" .
 native=$(ls "$WHEELS"/native/torch_kda-*.whl)
 echo "   $(basename "$native")"
 case $(basename "$native") in *py3-none-any*) echo "FAIL: the native wheel is tagged pure"; exit 1;; esac
@@ -33,8 +58,8 @@ assert any(n.endswith("licenses/LICENSE") or n.endswith("/LICENSE") for n in nam
 EOF
 
 echo "== native wheel: install into $VENV and check"
-"$VPY" -m pip uninstall -q -y torch-kda 2>/dev/null || true
-"$VPY" -m pip install -q "$native" 2>&1 | grep -v "^WARNING: Location" || true
+"$VPY" -m pip uninstall -q -y torch-kda >/dev/null 2>&1 || true  # left over from an interrupted run
+pipq "$VPY" -m pip install -q "$native"
 cd "$VENV"  # far from the checkout: nothing of it can be imported
 "$VPY" -W "ignore:Failed to initialize NumPy" - <<'EOF'
 import importlib.util
@@ -76,7 +101,7 @@ binaries = [n for n in names if n.endswith((".so", ".dll", ".dylib", ".pyd"))]
 assert not binaries, f"binaries in the pure-Python wheel: {binaries}"
 EOF
 "$VPY" -m pip uninstall -q -y torch-kda
-"$VPY" -m pip install -q "$pure" 2>&1 | grep -v "^WARNING: Location" || true
+pipq "$VPY" -m pip install -q "$pure"
 cd "$VENV"
 "$VPY" -W "ignore:Failed to initialize NumPy" - <<'EOF'
 import torch, torch_kda

@@ -1,15 +1,17 @@
 """Every ```python block of README.md and docs/*.md runs as written.
 
-Each block is one test: it is compiled and executed in a fresh namespace (no names carried over
-from an earlier block), on CPU, with a wall-clock limit, so a snippet that relies on an undefined
-name, a missing import or a GPU fails here. Non-Python or deliberately non-runnable text belongs
+Each block is one test: it runs in a fresh interpreter (no names or state carried over from an
+earlier block), on CPU, with a wall-clock limit, from an empty temporary folder, so a snippet that
+relies on an undefined name, a missing import, a file of the checkout or a GPU fails here. Non-Python or deliberately non-runnable text belongs
 in ```bash / ```text blocks.
 """
 
 from __future__ import annotations
 
+import os
 import re
-import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import List, Tuple
 
@@ -50,30 +52,23 @@ def test_fence_extraction_keeps_blocks_apart(tmp_path):
     assert python_blocks(md) == [(2, "x = 1"), (9, "y = 2")]
 
 
-class _Timeout(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _Timeout()
+# Each snippet runs in its own interpreter: snippets may change process-wide state (register a
+# backend, set torch's thread count), which must reach neither the next snippet nor the rest of
+# the suite. The code is compiled under the name "<doc>:<line>" so a traceback points into the doc.
+_RUNNER = ("import sys; source = open(sys.argv[1], encoding='utf-8').read(); "
+           "exec(compile(source, sys.argv[2], 'exec'), {'__name__': '__main__'})")
 
 
 @pytest.mark.parametrize("path, line, source", SNIPPETS,
                          ids=[f"{p.relative_to(ROOT)}:{line}" for p, line, _ in SNIPPETS])
-def test_snippet_runs(path, line, source, monkeypatch, tmp_path):
-    import torch
-
-    monkeypatch.chdir(tmp_path)  # a snippet that writes files writes them here
-    code = compile(source, f"{path.relative_to(ROOT)}:{line}", "exec")
-    namespace = {"__name__": "__doc_snippet__"}
-    threads = torch.get_num_threads()
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(SNIPPET_LIMIT_S)
+def test_snippet_runs(path, line, source, tmp_path):
+    script = tmp_path / "snippet.py"
+    script.write_text(source, encoding="utf-8")
+    name = f"{path.relative_to(ROOT)}:{line}"
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONWARNINGS="ignore")
     try:
-        exec(code, namespace)
-    except _Timeout:
-        pytest.fail(f"{path.name}:{line}: the snippet ran longer than {SNIPPET_LIMIT_S} s")
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-        torch.set_num_threads(threads)
+        res = subprocess.run([sys.executable, "-c", _RUNNER, str(script), name], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=SNIPPET_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name}: the snippet ran longer than {SNIPPET_LIMIT_S} s")
+    assert res.returncode == 0, f"{name} failed:\n{res.stderr[-4000:]}"

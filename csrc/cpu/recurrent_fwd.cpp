@@ -5,6 +5,15 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 namespace kda {
 namespace detail {
 
@@ -171,16 +180,165 @@ at::Tensor state_kv(const std::optional<at::Tensor>& s, const Config& cfg, at::S
 }
 
 namespace {
+
+// Large outputs are written once per call; on Linux, 2 MB pages (transparent huge pages, when the
+// system allows them on request) turn ~500 page faults per MB into ~1/2 per MB. Advice only:
+// must come before the first touch; harmless where unsupported.
+void advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t b = (p + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t e = (p + t.nbytes()) & ~(kHuge - 1);
+  if (t.nbytes() >= 2 * kHuge && e > b) madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
+#else
+  (void)t;
+#endif
+}
+
+// Token blocks of the forward: the pre-processed q, k, decay, decay*k and beta of one block of
+// every sequence (tb tokens each) live in a small workspace (~4 MB: cache-resident, and reused by
+// the allocator from call to call instead of page-faulting fresh full-size arrays in); the
+// recurrence runs over the block, then the next block is pre-processed. A function of the shapes
+// only (never of the thread count), so the result does not depend on the thread count.
+struct BlockPlan {
+  int64_t tb = 0;        // tokens of a sequence per block
+  int64_t n_blocks = 0;
+  int64_t nb = 0;        // workspace rows (tokens of all sequences in one block)
+};
+
+BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt) {
+  constexpr int64_t kBudget = int64_t(4) << 20;
+  const int64_t per_token = ((2 * d.H + 2 * d.HV) * d.K + d.HV) * static_cast<int64_t>(elt);
+  int64_t tb = std::max<int64_t>(1, kBudget / std::max<int64_t>(1, per_token));
+  tb = std::min<int64_t>(4096, std::max<int64_t>(kernels::kChunk, tb / kernels::kChunk * kernels::kChunk));
+  int64_t max_len = 0;
+  for (size_t n = 0; n < s.start.size(); ++n) max_len = std::max(max_len, s.end[n] - s.start[n]);
+  const int64_t BT = d.B * d.T;
+  BlockPlan p;
+  if (d.N * tb >= BT) {  // short sequences (decoding, small batches): one block, whole arrays
+    p.tb = std::max<int64_t>(1, max_len);
+    p.n_blocks = 1;
+    p.nb = BT;
+  } else {
+    p.tb = tb;
+    p.n_blocks = (max_len + tb - 1) / tb;
+    p.nb = std::min(BT, d.N * tb);
+  }
+  return p;
+}
+
 template <typename T>
-void run_fwd(const Prepared& p, const Dims& d, const Sequences& seqs, const at::Tensor& h0,
-             const at::Tensor& o, const at::Tensor& ht, const at::Tensor& ckpt) {
+kernels::PrepArgs<T> make_prep_args(const Config& cfg, const Dims& d, int64_t stride) {
+  kernels::PrepArgs<T> P;
+  P.BT = stride;
+  P.H = d.H;
+  P.HV = d.HV;
+  P.K = d.K;
+  P.scale = cfg.scale;
+  P.l2norm = cfg.use_qk_l2norm_in_kernel;
+  P.gate = !cfg.use_gate_in_kernel ? kernels::GateMode::kNone
+           : cfg.lower_bound       ? kernels::GateMode::kBounded
+                                   : kernels::GateMode::kSoftplus;
+  P.lower_bound = cfg.lower_bound.value_or(0.0);
+  P.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
+  P.beta_mult = cfg.allow_neg_eigval ? 2.0 : 1.0;
+  return P;
+}
+
+template <typename T>
+void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
+                     const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
+                     const at::Tensor& ckpt) {
+  const auto ct = compute_dtype(in.q);
+  const auto opts = in.q.options().dtype(ct);
+  const int64_t BT = d.B * d.T;
+  const BlockPlan plan = plan_blocks(d, seqs, sizeof(T));
+  const int64_t nb = plan.nb;
+  // Inputs in another dtype (bf16, fp16; or fp32 under fp64 q) are converted block by block into
+  // the workspace (in cache) instead of as whole-array copies; so are v and the output o when
+  // o's dtype is not the compute dtype.
+  const bool conv_in = in.k.scalar_type() != ct || in.q.scalar_type() != ct ||
+                       in.g.scalar_type() != ct || in.beta.scalar_type() != ct;
+  const bool conv_vo = in.v.scalar_type() != ct || o.scalar_type() != ct;
+  const at::Tensor q_in = in.q.reshape({BT, d.H * d.K});
+  const at::Tensor k_in = in.k.reshape({BT, d.H * d.K});
+  const at::Tensor g_in = in.g.reshape({BT, d.HV * d.K});
+  const at::Tensor b_in = in.beta.reshape({BT, d.HV});
+  const at::Tensor v_in = in.v.reshape({BT, d.HV * d.V});
+  at::Tensor q_c, k_c, g_c, b_c, v_c;  // compute-dtype inputs read by the kernels
+  at::Tensor q_w, k_w, g_w, b_w, v_w, o_w;  // block buffers of the conversions
+  if (conv_in) {
+    q_w = at::empty({nb, d.H * d.K}, opts);
+    k_w = at::empty({nb, d.H * d.K}, opts);
+    g_w = at::empty({nb, d.HV * d.K}, opts);
+    b_w = at::empty({nb, d.HV}, opts);
+    q_c = q_w, k_c = k_w, g_c = g_w, b_c = b_w;
+  } else {
+    q_c = q_in.contiguous(), k_c = k_in.contiguous(), g_c = g_in.contiguous();
+    b_c = b_in.contiguous();
+  }
+  if (conv_vo) {
+    v_w = at::empty({nb, d.HV * d.V}, opts);
+    o_w = at::empty({nb, d.HV * d.V}, opts);
+    v_c = v_w;
+  } else {
+    v_c = v_in.contiguous();
+  }
+  at::Tensor expA, bias;
+  if (cfg.use_gate_in_kernel && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
+  if (cfg.use_gate_in_kernel && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
+
+  // The pre-processed block: [H, nb, K] q and k, [HV, nb, K] decay and decay*k, [HV, nb] beta.
+  const at::Tensor ws_q = at::empty({d.H, nb, d.K}, opts);
+  const at::Tensor ws_k = at::empty({d.H, nb, d.K}, opts);
+  const at::Tensor ws_a = at::empty({d.HV, nb, d.K}, opts);
+  const at::Tensor ws_ak = at::empty({d.HV, nb, d.K}, opts);
+  const at::Tensor ws_b = at::empty({d.HV, nb}, opts);
+
+  kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, nb);
+  P.q = q_c.data_ptr<T>();
+  P.k = k_c.data_ptr<T>();
+  P.g = g_c.data_ptr<T>();
+  P.beta = b_c.data_ptr<T>();
+  P.expA = expA.defined() ? expA.data_ptr<T>() : nullptr;
+  P.dt_bias = bias.defined() ? bias.data_ptr<T>() : nullptr;
+  P.q_out = ws_q.data_ptr<T>();
+  P.k_out = ws_k.data_ptr<T>();
+  P.a_out = ws_a.data_ptr<T>();
+  P.ak_out = ws_ak.data_ptr<T>();
+  P.beta_out = ws_b.data_ptr<T>();
+
+  std::vector<int64_t> shift(d.N, 0), vo_shift(d.N, 0);
   kernels::FwdArgs<T> A;
-  fill_recurrence_inputs<T>(A, p, d, seqs, h0);
-  A.o = o.data_ptr<T>();
+  A.seqs = seq_info(seqs);
+  A.seqs.shift = shift.data();
+  A.seqs.vo_shift = conv_vo ? vo_shift.data() : nullptr;
+  A.BT = nb;
+  A.H = d.H;
+  A.HV = d.HV;
+  A.K = d.K;
+  A.V = d.V;
+  A.q = ws_q.data_ptr<T>();
+  A.k = ws_k.data_ptr<T>();
+  A.a = ws_a.data_ptr<T>();
+  A.ak = ws_ak.data_ptr<T>();
+  A.beta = ws_b.data_ptr<T>();
+  A.v = v_c.data_ptr<T>();
+  A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
+  A.o = conv_vo ? o_w.data_ptr<T>() : o.data_ptr<T>();
   A.ht = ht.data_ptr<T>();
   A.ckpt = ckpt.defined() && ckpt.numel() > 0 ? ckpt.data_ptr<T>() : nullptr;
+
   const auto& tab = kernels::table();
-  auto fn = [&]() {
+  auto prep = [&]() {
+    if constexpr (std::is_same_v<T, float>) {
+      return tab.prep_f32;
+    } else {
+      return tab.prep_f64;
+    }
+  }();
+  auto fwd = [&]() {
     if constexpr (std::is_same_v<T, float>) {
       return tab.fwd_f32;
     } else {
@@ -197,14 +355,66 @@ void run_fwd(const Prepared& p, const Dims& d, const Sequences& seqs, const at::
   const int64_t groups =
       std::max<int64_t>(1, std::min(n_slices, (2 * threads + heads - 1) / heads));
   const int64_t units = d.N * d.HV * groups;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t gi = u % groups;
-      const int64_t hv = (u / groups) % d.HV;
-      const int64_t n = u / (groups * d.HV);
-      fn(A, n, hv, gi * n_slices / groups, (gi + 1) * n_slices / groups);
+
+  std::vector<int64_t> rs(d.N), re(d.N), loc(d.N + 1);
+  for (int64_t j = 0; j < plan.n_blocks; ++j) {
+    // This block's token range of every sequence, and its rows in the workspace.
+    int64_t used = 0;
+    for (int64_t n = 0; n < d.N; ++n) {
+      rs[n] = std::min(seqs.end[n], seqs.start[n] + j * plan.tb);
+      re[n] = std::min(seqs.end[n], rs[n] + plan.tb);
+      loc[n] = used;
+      shift[n] = rs[n] - used;
+      vo_shift[n] = shift[n];
+      used += re[n] - rs[n];
     }
-  });
+    loc[d.N] = used;
+    if (conv_in || conv_vo) {
+      for (int64_t n = 0; n < d.N; ++n) {
+        const int64_t len = re[n] - rs[n];
+        if (len == 0) continue;
+        if (conv_in) {
+          q_w.narrow(0, loc[n], len).copy_(q_in.narrow(0, rs[n], len));
+          k_w.narrow(0, loc[n], len).copy_(k_in.narrow(0, rs[n], len));
+          g_w.narrow(0, loc[n], len).copy_(g_in.narrow(0, rs[n], len));
+          b_w.narrow(0, loc[n], len).copy_(b_in.narrow(0, rs[n], len));
+        }
+        if (conv_vo) v_w.narrow(0, loc[n], len).copy_(v_in.narrow(0, rs[n], len));
+      }
+    }
+    // Pre-processing of the block's rows, in parallel over rows.
+    at::parallel_for(0, used, 16, [&](int64_t b, int64_t e) {
+      int64_t n = static_cast<int64_t>(std::upper_bound(loc.begin(), loc.begin() + d.N, b) -
+                                       loc.begin()) - 1;
+      while (b < e) {
+        while (loc[n + 1] <= b) ++n;
+        const int64_t stop = std::min(e, loc[n + 1]);
+        kernels::PrepArgs<T> Pn = P;
+        Pn.out_shift = shift[n];
+        Pn.in_shift = conv_in ? shift[n] : 0;
+        prep(Pn, rs[n] + (b - loc[n]), rs[n] + (stop - loc[n]));
+        b = stop;
+      }
+    });
+    // The recurrence over the block. An empty sequence still runs once (in block 0), so its
+    // final state is its initial state.
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t gi = u % groups;
+        const int64_t hv = (u / groups) % d.HV;
+        const int64_t n = u / (groups * d.HV);
+        if (rs[n] == re[n] && !(j == 0 && seqs.start[n] == seqs.end[n])) continue;
+        fwd(A, n, hv, gi * n_slices / groups, (gi + 1) * n_slices / groups, rs[n], re[n]);
+      }
+    });
+    if (conv_vo) {
+      const at::Tensor o2 = o.view({BT, d.HV * d.V});
+      for (int64_t n = 0; n < d.N; ++n) {
+        const int64_t len = re[n] - rs[n];
+        if (len > 0) o2.narrow(0, rs[n], len).copy_(o_w.narrow(0, loc[n], len));
+      }
+    }
+  }
 }
 }  // namespace
 
@@ -214,20 +424,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recurrent_fwd_cpu(const Inputs& i
   const Dims d = check_inputs(in, cfg, /*check_values=*/true);
   const auto ct = compute_dtype(in.q);
   const auto opts = in.q.options().dtype(ct);
-  const Prepared p = preprocess(in, cfg, d, /*for_backward=*/false);
   const Sequences seqs = make_sequences(in, d);
   const at::Tensor h0 = state_kv(in.initial_state, cfg, ct);
 
-  at::Tensor o = at::empty({d.B, d.T, d.HV, d.V}, opts);
+  // o in q's dtype, written once (block by block through the workspace when it is not ct).
+  at::Tensor o = at::empty({d.B, d.T, d.HV, d.V}, in.q.options());
   at::Tensor ht = at::empty({d.N, d.HV, d.K, d.V}, opts);
   at::Tensor ckpt = with_checkpoints ? at::empty({d.n_slots, d.HV, d.K, d.V}, opts)
                                      : at::empty({0}, opts);
+  advise_huge_pages(o);
+  advise_huge_pages(ckpt);
   if (ct == at::kDouble) {
-    run_fwd<double>(p, d, seqs, h0, o, ht, ckpt);
+    run_fwd_blocked<double>(in, cfg, d, seqs, h0, o, ht, ckpt);
   } else {
-    run_fwd<float>(p, d, seqs, h0, o, ht, ckpt);
+    run_fwd_blocked<float>(in, cfg, d, seqs, h0, o, ht, ckpt);
   }
-  if (o.scalar_type() != in.q.scalar_type()) o = o.to(in.q.scalar_type());
   if (cfg.state_v_first) ht = ht.transpose(-1, -2).contiguous();
   return {o, ht, ckpt};
 }

@@ -448,6 +448,7 @@ void prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
   constexpr int64_t L = kLanes<T>;
   const int64_t K = P.K, H = P.H, HV = P.HV, BT = P.BT;
   for (int64_t t = t0; t < t1; ++t) {
+    const int64_t ti = t - P.in_shift, to = t - P.out_shift;  // input / output rows of token t
     // q, k: l2 norm (optional) and scale.
     for (int which = 0; which < 2; ++which) {
       const T* src = which == 0 ? P.q : P.k;
@@ -455,8 +456,8 @@ void prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       T* rn_out = which == 0 ? P.q_rnorm : P.k_rnorm;
       const T mult = which == 0 ? P.scale : T(1);
       for (int64_t h = 0; h < H; ++h) {
-        const T* x = src + (t * H + h) * K;
-        T* y = dst + (h * BT + t) * K;
+        const T* x = src + (ti * H + h) * K;
+        T* y = dst + (h * BT + to) * K;
         T f = mult;
         if (P.l2norm) {
           V acc{};
@@ -465,7 +466,7 @@ void prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
             acc += xv * xv;
           }
           const T rn = T(1) / s_sqrt(hsum<T>(acc) + T(1e-6));
-          if (rn_out) rn_out[t * H + h] = rn;
+          if (rn_out) rn_out[to * H + h] = rn;
           f = rn * mult;
         }
         for (int64_t i = 0; i < K; i += L) store_cols(y + i, load_cols(x + i, K - i) * f, K - i);
@@ -473,13 +474,13 @@ void prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
     }
     // gate and decay
     for (int64_t hv = 0; hv < HV; ++hv) {
-      const T* gr = P.g + (t * HV + hv) * K;
+      const T* gr = P.g + (ti * HV + hv) * K;
       const T* bias = P.dt_bias ? P.dt_bias + hv * K : nullptr;
-      T* a = P.a_out + (hv * BT + t) * K;
-      T* ak = P.ak_out + (hv * BT + t) * K;
-      const T* kh = P.k_out + ((hv / (HV / H)) * BT + t) * K;  // khat of this value head's key
-      T* gout = P.g_out ? P.g_out + (t * HV + hv) * K : nullptr;
-      T* sout = P.s_out ? P.s_out + (t * HV + hv) * K : nullptr;
+      T* a = P.a_out + (hv * BT + to) * K;
+      T* ak = P.ak_out + (hv * BT + to) * K;
+      const T* kh = P.k_out + ((hv / (HV / H)) * BT + to) * K;  // khat of this value head's key
+      T* gout = P.g_out ? P.g_out + (to * HV + hv) * K : nullptr;
+      T* sout = P.s_out ? P.s_out + (to * HV + hv) * K : nullptr;
       for (int64_t i = 0; i < K; i += L) {
         const int64_t m = K - i;
         V gl = load_cols(gr + i, m);
@@ -503,30 +504,40 @@ void prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
     }
     // beta
     for (int64_t hv = 0; hv < HV; ++hv) {
-      T b = P.beta[t * HV + hv];
+      T b = P.beta[ti * HV + hv];
       if (P.beta_sigmoid) b = P.beta_mult * (T(1) / (T(1) + s_exp(-b)));
-      P.beta_out[hv * BT + t] = b;
+      P.beta_out[hv * BT + to] = b;
     }
   }
 }
 
-// Forward of tokens [t0, t1) of sequence n for one slice of columns [j0, j0 + width).
-// S (K x NV vectors) and r (the read S'^T k of token t0) carry the slice between blocks.
+// Forward of tokens [t0, t1) of sequence n for one slice of columns [j0, j0 + width); the token
+// range being run is [rs, re) (t1 <= re). S (K x NV vectors) and r (the read S'^T k of token t0)
+// carry the slice between blocks of the range.
 template <typename T, int NV>
 void fwd_block(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t width, int64_t t0,
-               int64_t t1, vec_t<T>* S, vec_t<T>* r_io, const T* zeros) {
+               int64_t t1, int64_t rs, int64_t re, vec_t<T>* S, vec_t<T>* r_io, const T* zeros) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   const int64_t K = A.K, Vd = A.V, H = A.H, HV = A.HV;
   const int64_t h = hv / (HV / H);
-  const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
   const int64_t origin = A.seqs.origin[n], slot_base = A.seqs.slot_base[n];
+  const int64_t sh = A.seqs.shift ? A.seqs.shift[n] : 0;
+  const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
   const int64_t ckpt_off = hv * K * Vd + j0;  // in one slot of [slots, HV, K, V]
   const int64_t slot_stride = HV * K * Vd;
+  // Rows of the pre-processed arrays at the local token index (t - sh).
+  const T* a_h = A.a + (hv * A.BT - sh) * K;
+  const T* ak_h = A.ak + (hv * A.BT - sh) * K;
+  const T* k_h = A.k + (h * A.BT - sh) * K;
+  const T* q_h = A.q + (h * A.BT - sh) * K;
+  const T* b_h = A.beta + hv * A.BT - sh;
 
   V r[NV];
-  if (t0 == ts) {
-    decayed_key_read<T, NV>(r, S, A.ak + (hv * A.BT + ts) * K, K);
+  if (t0 == rs) {
+    // Start of a range: the read of its first token from the state (the same sums, in the same
+    // order, as the fused read of write_step, so the result does not depend on the ranges).
+    decayed_key_read<T, NV>(r, S, ak_h + rs * K, K);
   } else {
     for (int cc = 0; cc < NV; ++cc) r[cc] = r_io[cc];
   }
@@ -535,17 +546,17 @@ void fwd_block(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
       const int64_t slot = slot_base + (t - origin) / kChunk;
       store_slice<T, NV>(A.ckpt + slot * slot_stride + ckpt_off, S, K, Vd, width);
     }
-    const T* at = A.a + (hv * A.BT + t) * K;
-    const T* kt = A.k + (h * A.BT + t) * K;
-    const T* qt = A.q + (h * A.BT + t) * K;
-    const T* akn = t + 1 < te ? A.ak + (hv * A.BT + (t + 1)) * K : zeros;
-    const V b = splat<T>(A.beta[hv * A.BT + t]);
-    const T* vt = A.v + (t * HV + hv) * Vd + j0;
+    const T* at = a_h + t * K;
+    const T* kt = k_h + t * K;
+    const T* qt = q_h + t * K;
+    const T* akn = t + 1 < re ? ak_h + (t + 1) * K : zeros;
+    const V b = splat<T>(b_h[t]);
+    const T* vt = A.v + ((t - vsh) * HV + hv) * Vd + j0;
     V u[NV];
     for (int cc = 0; cc < NV; ++cc) u[cc] = b * (load_cols(vt + cc * L, width - cc * L) - r[cc]);
     V o[NV];
     write_step<T, NV, true>(S, S, u, at, kt, qt, akn, K, o, r);
-    T* ot = A.o + (t * HV + hv) * Vd + j0;
+    T* ot = A.o + ((t - vsh) * HV + hv) * Vd + j0;
     for (int cc = 0; cc < NV; ++cc) {
       if (width - cc * L > 0) store_cols(ot + cc * L, o[cc], width - cc * L);
     }
@@ -558,13 +569,14 @@ void fwd_block(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
 // block's q/k/decay rows are read from memory once and reused from cache by all slices, while
 // each slice's state stays in L1 during its block.
 template <typename T>
-void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end) {
+void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
+              int64_t rs, int64_t re) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   constexpr int64_t NVmax = (kFwdSlice + L - 1) / L;
   constexpr int64_t kBlock = 64;
   const int64_t K = A.K, Vd = A.V, HV = A.HV;
-  const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
+  const int64_t ts = A.seqs.seq_start[n];
   const int64_t n_sl = s_end - s_begin;
   Scratch<V> S(n_sl * K * NVmax);
   Scratch<V> r(n_sl * NVmax);
@@ -579,7 +591,9 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
     int64_t j0, width, nv;
     slice(i, j0, width, nv);
     V* Si = S.data() + i * K * NVmax;
-    const T* src = A.h0 ? A.h0 + state_base + j0 : nullptr;
+    // The range that starts the sequence reads the initial state (or zeros), later ones the
+    // running state that the previous range left in ht.
+    const T* src = rs == ts ? (A.h0 ? A.h0 + state_base + j0 : nullptr) : A.ht + state_base + j0;
     if (nv <= 1) {
       load_slice<T, 1>(Si, src, K, Vd, width);
     } else if (nv == 2) {
@@ -590,22 +604,22 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
       load_slice<T, static_cast<int>(NVmax)>(Si, src, K, Vd, width);
     }
   }
-  for (int64_t t0 = ts; t0 < te; t0 += kBlock) {
-    const int64_t t1 = imin(te, t0 + kBlock);
+  for (int64_t t0 = rs; t0 < re; t0 += kBlock) {
+    const int64_t t1 = imin(re, t0 + kBlock);
     for (int64_t i = 0; i < n_sl; ++i) {
       int64_t j0, width, nv;
       slice(i, j0, width, nv);
       V* Si = S.data() + i * K * NVmax;
       V* ri = r.data() + i * NVmax;
       if (nv <= 1) {
-        fwd_block<T, 1>(A, n, hv, j0, width, t0, t1, Si, ri, zeros.data());
+        fwd_block<T, 1>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros.data());
       } else if (nv == 2 || NVmax <= 2) {
-        fwd_block<T, (NVmax >= 2 ? 2 : 1)>(A, n, hv, j0, width, t0, t1, Si, ri, zeros.data());
+        fwd_block<T, (NVmax >= 2 ? 2 : 1)>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros.data());
       } else if (nv == 3 || NVmax <= 3) {
-        fwd_block<T, (NVmax >= 3 ? 3 : 1)>(A, n, hv, j0, width, t0, t1, Si, ri, zeros.data());
+        fwd_block<T, (NVmax >= 3 ? 3 : 1)>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros.data());
       } else {
         // Wider slices (doubles under AVX2) run the NVmax variant; padded columns stay zero.
-        fwd_block<T, static_cast<int>(NVmax)>(A, n, hv, j0, width, t0, t1, Si, ri, zeros.data());
+        fwd_block<T, static_cast<int>(NVmax)>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros.data());
       }
     }
   }

@@ -28,6 +28,11 @@ struct SeqInfo {
   const int64_t* seq_end = nullptr;
   const int64_t* origin = nullptr;
   const int64_t* slot_base = nullptr;
+  // The forward runs in token blocks (csrc/cpu/recurrent_fwd.cpp): the pre-processed arrays hold
+  // one block, sequence n's token t at local index t - shift[n]; v and o likewise at
+  // t - vo_shift[n] when they are block buffers. Null means local == global (whole arrays).
+  const int64_t* shift = nullptr;
+  const int64_t* vo_shift = nullptr;
 };
 
 // The pre-processed per-token inputs are head-major ([H, BT, K]: one head's tokens contiguous),
@@ -49,7 +54,9 @@ struct RecurrenceInputs {
 template <typename T>
 struct FwdArgs : RecurrenceInputs<T> {
   T* o = nullptr;           // [BT, HV, V]
-  T* ht = nullptr;          // [N, HV, K, V]
+  // [N, HV, K, V]: the final state, and the running state between token ranges (a range that
+  // starts a sequence reads h0, any later range reads ht).
+  T* ht = nullptr;
   T* ckpt = nullptr;        // [slots, HV, K, V] or null (no checkpoints)
 };
 
@@ -82,6 +89,9 @@ struct PrepArgs {
   const T* beta = nullptr;     // [BT, HV] strength or logits
   const T* expA = nullptr;     // [HV] exp(A_log), or null (bounded gate without A_log)
   const T* dt_bias = nullptr;  // [HV * K] or null
+  // Token t is read at row t - in_shift of q, k, g, beta and written at t - out_shift of the
+  // outputs (token blocks of the forward; 0 for whole arrays). BT is the outputs' token stride.
+  int64_t in_shift = 0, out_shift = 0;
   T scale = 1;
   bool l2norm = false;
   GateMode gate = GateMode::kNone;
@@ -106,9 +116,12 @@ struct Table {
   // Pre-processing of tokens [t0, t1).
   void (*prep_f32)(const PrepArgs<float>&, int64_t t0, int64_t t1);
   void (*prep_f64)(const PrepArgs<double>&, int64_t t0, int64_t t1);
-  // Forward of slices [s_begin, s_end) (kFwdSlice columns each) of value head hv of sequence n.
-  void (*fwd_f32)(const FwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end);
-  void (*fwd_f64)(const FwdArgs<double>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end);
+  // Forward of tokens [t0, t1) of sequence n (a range inside it; t0 == seq_start reads h0, else
+  // ht), slices [s_begin, s_end) (kFwdSlice columns each) of value head hv; the state goes to ht.
+  void (*fwd_f32)(const FwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
+                  int64_t t0, int64_t t1);
+  void (*fwd_f64)(const FwdArgs<double>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
+                  int64_t t0, int64_t t1);
   // Backward of slices [s_begin, s_end) (kBwdSlice columns each) of (n, hv), writing partial p.
   void (*bwd_f32)(const BwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
                   int64_t p);

@@ -1,0 +1,78 @@
+"""The native forward runs long inputs in token blocks (csrc/cpu/recurrent_fwd.cpp): q, k, the
+decays and beta of one block of every sequence are pre-processed into a small reused workspace,
+then the recurrence runs over the block. A block holds about 4 MB of pre-processed rows, so
+H * K of a few hundred makes blocks of 64-448 tokens: these shapes cross several block
+boundaries (the state and the next token's read carry across them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_kda
+from kda_testing import make_problem, rel_err
+from torch_kda import reference
+
+
+def oracle_f64(p):
+    """The pure-PyTorch definition in float64 (itself checked against tests/oracle.py, whose
+    per-element loops take ~40 s at these lengths)."""
+    p64 = p.to(torch.float64)
+    return reference.fused_recurrent_kda(*p64.args, **p64.kwargs)
+
+
+def native(p):
+    return torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="native")
+
+
+@pytest.mark.parametrize("seqlens", [None, (700, 0, 90)], ids=["batch", "varlen_with_empty"])
+def test_forward_across_token_blocks_matches_the_float64_reference(seqlens):
+    # fp32: 8 heads of K = 130 -> 16.6 KB per token -> blocks of 192 tokens per sequence.
+    p = make_problem(B=2, T=450, H=4, HV=8, K=130, V=6, seqlens=seqlens, gate="softplus", seed=4)
+    o_ref, s_ref = oracle_f64(p)
+    o, s = native(p.to(torch.float32))
+    assert rel_err(o, o_ref) < 2e-5
+    assert rel_err(s, s_ref) < 2e-5
+    if seqlens:  # the empty sequence passes its initial state through
+        assert torch.equal(s[1], p.kwargs["initial_state"][1].float())
+
+
+def test_float64_forward_across_token_blocks_matches_the_reference_to_rounding():
+    # fp64: 25 KB per token -> blocks of 128 tokens.
+    p = make_problem(B=1, T=300, H=4, HV=8, K=130, V=5, gate="bounded", seed=6)
+    o_ref, s_ref = oracle_f64(p)
+    o, s = native(p)
+    assert rel_err(o, o_ref) < 1e-12
+    assert rel_err(s, s_ref) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_converted_per_block_equal_fp32_inputs_of_the_same_values(dtype):
+    # The conversion to fp32 is exact, so converting block by block must give bitwise the
+    # result of the fp32 op on the same values, rounded to the output dtype once.
+    p = make_problem(B=2, T=400, H=4, HV=8, K=130, V=6, gate="softplus", seed=8,
+                     state_v_first=True).to(dtype)
+    o, s = native(p)
+    p32 = p.to(torch.float32)
+    o32, s32 = native(p32)
+    assert o.dtype == dtype
+    assert torch.equal(o, o32.to(dtype))
+    assert torch.equal(s, s32)
+
+
+def test_token_blocks_are_bitwise_identical_for_one_and_two_threads_with_gradients():
+    p = make_problem(B=1, T=420, H=4, HV=8, K=130, V=6, gate="softplus", seed=11)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            x = p.to(torch.float32, requires_grad=True)
+            o, s = native(x)
+            loss = (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() + s.square().sum()
+            gs = torch.autograd.grad(loss, list(x.tensors().values()))
+            results.append([o, s, *gs])
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -1,5 +1,5 @@
 # torch-kda: every target does its own set-up, so each works on a fresh machine.
-#   make demo   - install everything, then run the main demo (python -m torch_kda demo)
+#   make demo   - install everything, then run the main demo (python -m torch_kda demo), then `hf`
 #   make test   - install everything, then run the Python and C++ test suites and check the wheels
 #                 (native and pure-Python) installed into a separate venv
 # Torch is pinned (torch==2.13.0, the CPU wheel kept on these machines): an unpinned resolve would
@@ -24,6 +24,8 @@ TORCH_PREFIX = $$($(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_p
 # The installed console script (the package lives in src/, so the source tree never shadows it).
 demo: install
 	$(VENV)/bin/torch-kda demo
+	@# A Hugging Face Kimi-Linear model: transformers' own KDA vs torch-kda (about half a minute).
+	$(VENV)/bin/torch-kda hf
 
 test: install test-python test-cpp test-wheel
 

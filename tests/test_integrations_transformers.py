@@ -127,3 +127,32 @@ def test_importing_torch_kda_and_its_integrations_imports_no_third_party_library
             "assert not bad, bad\nprint('ok')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_kda_clock_times_the_routed_calls_forward_and_backward():
+    from torch_kda.integrations.transformers import kda_clock
+
+    model = use_torch_kda(tiny_model(7)).train()
+    x = ids((1, 64), 17)
+    with kda_clock() as clock:
+        model(x, labels=x).loss.backward()
+    assert clock[0] > 0 and clock[1] > 0
+    with kda_clock() as clock:  # a model that is not routed is not counted
+        with torch.no_grad():
+            use_torch_kda(model, "transformers")(x)
+    assert clock[0] > 0
+
+
+def test_hf_command_compares_both_paths_saves_and_reloads(tmp_path, capsys):
+    from torch_kda.__main__ import main
+
+    tiny = ["--hidden-size", "64", "--layers", "2", "--kda-heads", "2", "--head-dim", "16", "--vocab-size", "128",
+            "--prompt-len", "70", "--new-tokens", "6", "--reps", "1", "--threads", "1"]
+    assert main(["hf", *tiny, "--save", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr().out
+    assert "greedy tokens identical: 6/6" in out and "prefill tok/s" in out and "decode ms/tok" in out
+    assert main(["hf", *tiny, "--model", str(tmp_path / "m")]) == 0
+    assert "greedy tokens identical: 6/6" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["hf", "--model", str(tmp_path / "missing")])
+    assert exc.value.code == 2

@@ -2,7 +2,8 @@
 
 - ``demo``: train a small byte-level KDA language model on real text on CPU;
 - ``bench``: tokens/s of the backends by sequence length, a table and a PNG plot;
-- ``check``: validate the installed backends against a float64 run; non-zero exit on failure.
+- ``check``: validate the installed backends against a float64 run; non-zero exit on failure;
+- ``hf``: a Hugging Face Kimi-Linear model with transformers' own KDA vs torch-kda (agreement, speed).
 
 Without a command the usage is printed (exit status 2). Bad arguments (non-positive sizes, a
 missing or empty ``--text`` file, an ``--out`` that cannot be written, ...) end with exit status 2
@@ -22,12 +23,12 @@ from .. import __version__
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = ("demo", "bench", "check")
+_COMMANDS = ("demo", "bench", "check", "hf")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser with the ``demo``, ``bench`` and ``check`` subcommands."""
-    from . import bench, check, demo
+    """The argparse parser with the ``demo``, ``bench``, ``check`` and ``hf`` subcommands."""
+    from . import bench, check, demo, hf
 
     script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     parser = argparse.ArgumentParser(
@@ -48,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description=check.__doc__.split("\n\n")[0].split(": ", 1)[-1])
     check.add_arguments(p)
     p.set_defaults(run=check.run, subparser=p)
+    p = sub.add_parser("hf", help="a Hugging Face Kimi-Linear model: transformers' own KDA vs torch-kda "
+                                  "(agreement, prefill and decode speed; --bench for the benchmark)",
+                       description=hf.__doc__.split("\n\n")[0].split(": ", 1)[-1])
+    hf.add_arguments(p)
+    p.set_defaults(run=hf.run, subparser=p)
     return parser
 
 

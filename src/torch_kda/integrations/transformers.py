@@ -27,15 +27,17 @@ Importing this module does not import ``transformers``; :func:`use_torch_kda` do
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 import sys
+import time
 import types
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-__all__ = ["use_torch_kda", "kda_layers", "IMPLEMENTATIONS"]
+__all__ = ["use_torch_kda", "kda_layers", "kda_clock", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("torch_kda", "transformers")
 
@@ -149,9 +151,8 @@ def _chunk_router(module, *args, **kwargs):
     original = _original(module, _CHUNK)
     if route is None or not _on_cpu(args, kwargs):
         return original(*args, **kwargs)
-    if route == "transformers":
-        return _pure_torch(original)(*args, **kwargs)
-    return _chunk_torch_kda(*args, **kwargs)
+    fn = _pure_torch(original) if route == "transformers" else _chunk_torch_kda
+    return _timed(fn, args, kwargs)
 
 
 def _recurrent_router(module, *args, **kwargs):
@@ -159,9 +160,82 @@ def _recurrent_router(module, *args, **kwargs):
     original = _original(module, _RECURRENT)
     if route is None or not _on_cpu(args, kwargs):
         return original(*args, **kwargs)
-    if route == "transformers":
-        return _pure_torch(original)(*args, **kwargs)
-    return _recurrent_torch_kda(*args, **kwargs)
+    fn = _pure_torch(original) if route == "transformers" else _recurrent_torch_kda
+    return _timed(fn, args, kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing of the routed KDA calls inside a model (for the `hf --bench` benchmark)
+# --------------------------------------------------------------------------------------------
+
+_CLOCK: Optional[List[float]] = None  # [forward seconds, backward seconds] while kda_clock() is open
+
+
+@contextlib.contextmanager
+def kda_clock() -> Iterator[List[float]]:
+    """Accumulate the time spent in routed KDA calls: yields ``[forward_s, backward_s]``.
+
+    Forward: wall time of each call. Backward: from the moment autograd reaches the call's output
+    to the moment it has produced every input's gradient (the autograd engine may run a few small
+    unrelated nodes in between, so this is an upper bound). Only calls of models routed by
+    :func:`use_torch_kda` are counted; not thread-safe (benchmark use).
+    """
+    global _CLOCK
+    previous, _CLOCK = _CLOCK, [0.0, 0.0]
+    try:
+        yield _CLOCK
+    finally:
+        _CLOCK = previous
+
+
+class _BackwardStart(torch.autograd.Function):
+    # Identity on the output; its backward runs just before the KDA call's backward.
+    @staticmethod
+    def forward(ctx, marks, x):
+        ctx.marks = marks
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.marks.append(time.perf_counter())
+        return None, grad
+
+
+class _BackwardEnd(torch.autograd.Function):
+    # Identity on the inputs; its backward runs once every input's gradient is ready.
+    @staticmethod
+    def forward(ctx, clock, marks, *xs):
+        ctx.clock, ctx.marks = clock, marks
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.marks:
+            ctx.clock[1] += time.perf_counter() - ctx.marks.pop()
+        return (None, None, *grads)
+
+
+def _timed(fn: Callable, args: tuple, kwargs: dict):
+    clock = _CLOCK
+    if clock is None:
+        return fn(*args, **kwargs)
+    names = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    keys = [k for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
+    marks: List[float] = []
+    track = torch.is_grad_enabled() and bool(names or keys)
+    if track:
+        args, kwargs = list(args), dict(kwargs)
+        wrapped = _BackwardEnd.apply(clock, marks, *[args[i] for i in names], *[kwargs[k] for k in keys])
+        for i, w in zip(names, wrapped[:len(names)]):
+            args[i] = w
+        for k, w in zip(keys, wrapped[len(names):]):
+            kwargs[k] = w
+    start = time.perf_counter()
+    o, state = fn(*args, **kwargs)
+    clock[0] += time.perf_counter() - start
+    if track and o.requires_grad:
+        o = _BackwardStart.apply(marks, o)
+    return o, state
 
 
 def _on_cpu(args: tuple, kwargs: dict) -> bool:

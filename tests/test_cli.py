@@ -63,7 +63,7 @@ def test_each_subcommand_has_help(command, capsys):
     (["demo", "--seq-len", "-5"], "--seq-len: expected a positive integer, got -5"),
     (["demo", "--batch-size", "two"], "--batch-size: expected a positive integer, got 'two'"),
     (["demo", "--lr", "0"], "--lr: expected a positive number"),
-    (["--steps", "5"], "expected a command (demo, bench, check) before the options, got --steps 5"),
+    (["--steps", "5"], "expected a command (demo, bench, check, hf) before the options, got --steps 5"),
     (["demo", "--backend", "cuda"], "invalid choice"),
     (["bench", "--seq-lens", "0"], "expected a positive integer"),
     (["check", "--tol", "-1"], "--tol: expected a positive number"),
@@ -78,7 +78,7 @@ def test_bad_arguments_exit_2_with_message(args, message, capsys):
 def test_no_arguments_print_the_usage_and_exit_2(capsys):
     code, out, err = call_main([], capsys)
     assert code == 2
-    assert "usage:" in err and "{demo,bench,check}" in err and out == ""
+    assert "usage:" in err and "{demo,bench,check,hf}" in err and out == ""
 
 
 def _no_work(*args, **kwargs):

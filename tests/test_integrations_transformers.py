@@ -103,11 +103,13 @@ def test_save_and_reload_from_a_local_folder(tmp_path):
         assert rel_err(reloaded(x).logits, ref(x).logits) < 1e-5
 
 
-def test_routing_is_per_model_and_errors_name_the_argument():
+def test_routing_is_per_model_and_errors_name_the_argument(monkeypatch):
     plain = tiny_model(6)
     use_torch_kda(tiny_model(6))
     # A model that was not routed still calls whatever transformers bound (here FLA's Triton
     # kernels, which fail on CPU): the routers installed for another model do not touch it.
+    # (FLA_TORCH_KDA=0: torch-kda's FLA backend, if another test registered it, stays out.)
+    monkeypatch.setenv("FLA_TORCH_KDA", "0")
     with pytest.raises(RuntimeError, match="active drivers"):
         with torch.no_grad():
             plain(ids((1, 8), 16))

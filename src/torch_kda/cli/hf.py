@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .common import UsageError, busy_machine_threads, positive_int
+from .common import MissingExtra, UsageError, busy_machine_threads, positive_int
 
 __all__ = ["add_arguments", "run", "build_model"]
 
@@ -162,12 +162,14 @@ def run(args: argparse.Namespace) -> int:
     """Compare transformers' own KDA path with torch-kda on one model; 0 if they agree, else 1.
 
     Raises:
-        UsageError: transformers missing, or a bad ``--model``.
+        MissingExtra: transformers is not installed (exit status 1).
+        UsageError: a bad ``--model`` (exit status 2).
     """
     try:
         import transformers  # noqa: F401
-    except ImportError as exc:
-        raise UsageError(f"the hf command needs transformers (tested: pip install transformers==5.24.0): {exc}")
+    except ImportError:
+        raise MissingExtra("error: `hf` needs transformers, which is not installed; "
+                           "pip install transformers==5.24.0 (the version tested)") from None
     previous_threads = torch.get_num_threads()
     note = ""
     if args.threads:

@@ -147,16 +147,19 @@ def _fused_recurrent_kda_fwd(
                                  "requires grad (call under torch.no_grad() or detach it)")
     if not use_gate_in_kernel:  # FLA's kernel ignores the gate parameters without the in-kernel gate
         A_log = dt_bias = None
-    serving = {name: value for name, value in (("ssm_state_indices", ssm_state_indices),
-                                               ("num_accepted_tokens", num_accepted_tokens))
-               if value is not None}
+    common = dict(scale=scale, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                  use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                  allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+                  cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
+    if _accepts("fused_recurrent_kda", "inplace_final_state"):
+        # This torch-kda has the serving interface: the pool is gathered/scattered in the kernel.
+        o, final_state = torch_kda.fused_recurrent_kda(
+            q, k, v, g, beta, output_final_state=output_final_state, inplace_final_state=inplace_final_state,
+            ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens, out=out, **common)
+        return o, (initial_state if inplace_final_state else final_state)
+    # Without it (the verifier has declined indices): one state per sequence, copied in place here.
     o, final_state = torch_kda.fused_recurrent_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state or inplace_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens, A_log=A_log,
-        dt_bias=dt_bias, **serving)
+        q, k, v, g, beta, output_final_state=output_final_state or inplace_final_state, **common)
     if out is not None:
         with torch.no_grad():
             out.copy_(o)

@@ -56,19 +56,24 @@ struct Prepared {
   at::Tensor ak;      // [HV, BT, K]  exp(g) * khat (of the value head's key head)
   at::Tensor beta_hm; // [HV, BT]     write strength
   at::Tensor v;       // [BT, HV, V]
-  // For the backward's chain rule, in token-major logical shapes (views may be strided):
-  at::Tensor qhat;    // [BT, H, K]   l2norm(q) (or q)
+  // For the backward's chain rule (csrc/cpu/recurrent_bwd.cpp, chain_rule_tokens), token-major:
+  at::Tensor q_in;    // [B, T, H, K]  raw q in the compute dtype (contiguous)
   at::Tensor q_rnorm; // [BT, H, 1]   1 / sqrt(sum q^2 + 1e-6)   (only with l2 norm)
   at::Tensor k;       // [BT, H, K]   khat (a view of k_hm)
   at::Tensor k_rnorm; // [BT, H, 1]
-  at::Tensor g;       // [BT, HV, K]  log decay
-  at::Tensor z;       // [BT, HV, K]  gate pre-activation g_raw + dt_bias (gate in op)
+  at::Tensor g_in;    // [B, T, HV, K] raw gate input / log decay in the compute dtype (contiguous)
+  at::Tensor g;       // [BT, HV, K]  log decay (the gate's output with the gate in the op)
   at::Tensor gate_s;  // [BT, HV, K]  sigmoid used by the gate (gate in op)
   at::Tensor beta;    // [BT, HV]     write strength (a view of beta_hm)
 };
 // (csrc/cpu/kernels prep_tokens, one parallel pass.) Without for_backward only the kernel inputs
 // are made; with it also the values the chain rule needs (qhat, rnorms, g, gate_s, z).
 Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for_backward);
+
+// Large buffers written once per call (outputs, checkpoints, gradient partials): on Linux, asks
+// for 2 MB pages (transparent huge pages "madvise" mode), ~500x fewer page faults than 4 KB pages.
+// Advice only; call before the first touch.
+void advise_huge_pages(const at::Tensor& t);
 
 // Sequence layout for the kernels (int64 vectors owned by the caller).
 struct Sequences {

@@ -116,23 +116,26 @@ Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for
   p.k = p.k_hm.permute({1, 0, 2});
   p.beta = p.beta_hm.t();
   if (for_backward) {
-    const at::Tensor q3 = q.reshape({BT, d.H, d.K});
-    if (cfg.use_qk_l2norm_in_kernel) {
-      p.q_rnorm = p.q_rnorm.unsqueeze(-1);
-      p.k_rnorm = p.k_rnorm.unsqueeze(-1);
-      p.qhat = q3 * p.q_rnorm;
-    } else {
-      p.qhat = q3;
-    }
-    if (!cfg.use_gate_in_kernel) {
-      p.g = g.reshape({BT, d.HV, d.K});
-    } else if (cfg.lower_bound && in.A_log) {
-      p.z = g.reshape({BT, d.HV, d.K});
-      if (bias.defined()) p.z = p.z + bias.reshape({1, d.HV, d.K});
-    }
+    // The raw (compute-dtype) q and gate input, for the fused chain rule of the backward.
+    p.q_in = q;
+    p.g_in = g;
+    if (!cfg.use_gate_in_kernel) p.g = g.reshape({BT, d.HV, d.K});
   }
   p.v = in.v.to(ct).reshape({BT, d.HV, d.V}).contiguous();
   return p;
+}
+
+void advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  if (!t.defined() || t.nbytes() < 2 * kHuge) return;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t b = (p + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t e = (p + t.nbytes()) & ~(kHuge - 1);
+  if (e > b) madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
+#else
+  (void)t;
+#endif
 }
 
 Sequences make_sequences(const Inputs& in, const Dims& d) {
@@ -180,21 +183,6 @@ at::Tensor state_kv(const std::optional<at::Tensor>& s, const Config& cfg, at::S
 }
 
 namespace {
-
-// Large outputs are written once per call; on Linux, 2 MB pages (transparent huge pages, when the
-// system allows them on request) turn ~500 page faults per MB into ~1/2 per MB. Advice only:
-// must come before the first touch; harmless where unsupported.
-void advise_huge_pages(const at::Tensor& t) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t b = (p + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t e = (p + t.nbytes()) & ~(kHuge - 1);
-  if (t.nbytes() >= 2 * kHuge && e > b) madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
-#else
-  (void)t;
-#endif
-}
 
 // Token blocks of the forward: the pre-processed q, k, decay, decay*k and beta of one block of
 // every sequence (tb tokens each) live in a small workspace (~4 MB: cache-resident, and reused by

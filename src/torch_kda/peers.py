@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -89,6 +90,7 @@ class Ours:
 
     def __init__(self, inp: Dict[str, torch.Tensor], state_v_first: bool = False):
         self.v_first = state_v_first
+        self.usage: Dict[int, List[Tuple[float, float, int]]] = {}
         h0 = inp["h0"].transpose(-1, -2).contiguous() if state_v_first else inp["h0"]
         self.args = dict(q=inp["q"], k=inp["k"], v=inp["v"], g=inp["g"], beta=inp["beta"], initial_state=h0,
                          output_final_state=True, state_v_first=state_v_first)
@@ -100,11 +102,18 @@ class Ours:
         return o, (ht.transpose(-1, -2) if self.v_first else ht)
 
     def time(self, threads: int) -> float:
+        """Seconds of one call; also records the process's user / system CPU seconds and minor
+        page faults of the call in ``self.usage[threads]`` (getrusage before and after)."""
         torch.set_num_threads(threads)
         with torch.no_grad():
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             torch_kda.fused_recurrent_kda(**self.args, backend="native")
-            return time.perf_counter() - t0
+            el = time.perf_counter() - t0
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+        self.usage.setdefault(threads, []).append(
+            (r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt))
+        return el
 
 
 class Ggml:
@@ -274,7 +283,9 @@ def run_peers(peers_dir: str, shapes: Sequence[Shape] = PREFILL_SHAPES + DECODE_
         for shape in shapes:
             sd = dict(B=shape.B, T=shape.T, H=shape.H, K=shape.K, V=shape.V, decode=shape.decode)
             inp = peer_inputs(shape)
-            impls: Dict[str, object] = {"ours": Ours(inp), "ours_vfirst": Ours(inp, state_v_first=True)}
+            impls: Dict[str, object] = {"ours": Ours(inp)}
+            if shape.decode:  # the state layout matters when the state is read and written per token
+                impls["ours_vfirst"] = Ours(inp, state_v_first=True)
             if found["ggml"]:
                 impls["ggml"] = Ggml(found["ggml"], inp, threads)
             if found["executorch"]:
@@ -307,6 +318,11 @@ def run_peers(peers_dir: str, shapes: Sequence[Shape] = PREFILL_SHAPES + DECODE_
                     extra = {}
                     if name == "executorch":
                         extra["pool_threads"] = impls[name].pool.get(n)
+                    if name.startswith("ours"):
+                        use = impls[name].usage.get(n, [])[calls:]  # without the warm-up
+                        user, sys_ = sum(u[0] for u in use), sum(u[1] for u in use)
+                        extra["sys_share"] = sys_ / (user + sys_) if user + sys_ > 0 else None
+                        extra["faults_per_call"] = sum(u[2] for u in use) / max(1, len(use))
                     results.append(dict(kind="time", impl=name, **sd, threads=n, seconds=statistics.median(ts),
                                         times=ts, **extra))
             finally:
@@ -366,6 +382,15 @@ def format_peers(results: List[dict]) -> str:
     out.append("Ratios: peer time / torch-kda time (> 1: torch-kda is faster). "
                + ", ".join(f"fp32 GEMM {g:,.0f} GFLOP/s at {n} thread(s)" for n, g in sorted(gemm.items())) + ".")
     out.append("")
+    ours = [r for r in timed if r["impl"] == "ours" and r.get("sys_share") is not None]
+    if ours:
+        out.append("| torch-kda (state K-first) | thr | system (kernel) share of its CPU time | minor page faults per call |")
+        out.append("|---|---|---|---|")
+        for r in ours:
+            tk = f"T{r['T']}"
+            out.append(f"| B{r['B']} {tk} H{r['H']} | {r['threads']} | {100 * r['sys_share']:.1f}% | "
+                       f"{r['faults_per_call']:,.0f} |")
+        out.append("")
     agree = [r for r in results if r["kind"] == "agree"]
     if agree:
         out.append("| agreement with torch-kda (max rel. error) | o | final state | |")

@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", metavar="DIR", default=None,
                    help="instead: torch-kda vs llama.cpp's ggml and ExecuTorch, built into DIR by "
                         "benchmarks/peers/setup.sh (prefill B1 T4K H4/H16, decode B1/B8/B64 H32; peers.md, peers.json)")
+    p.add_argument("--decode-batches", type=positive_int, nargs="+", default=None, metavar="B",
+                   help="with --peers: decoding batch sizes (H = 32; default 1 8 64)")
     p.add_argument("--out", metavar="DIR", default="out",
                    help="directory for bench_tokens_per_s.png, bench.md, bench.json (default: ./%(default)s)")
 
@@ -51,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _command(args: argparse.Namespace) -> str:
     """The command line that asked for this run, for the report's header."""
     words = ["python -m torch_kda bench"]
-    for name in ("peers", "quick", "seq_lens", "heads", "head_dim", "no_decode", "backends", "threads", "reps"):
+    for name in ("peers", "decode_batches", "quick", "seq_lens", "heads", "head_dim", "no_decode", "backends", "threads", "reps"):
         value = getattr(args, name)
         if value is None or value is False:
             continue
@@ -77,8 +79,14 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--peers: the native backend is unavailable here: {status['native'].reason}")
         out = output_dir(args.out)
         try:
+            shapes = list(peers.PREFILL_SHAPES)
+            if args.seq_lens or args.heads:
+                shapes = [benchmark.Shape(1, T, H, H) for H in (args.heads or [4, 16]) for T in (args.seq_lens or [4096])]
+            shapes += [benchmark.Shape(B, 1, 32, 32, decode=True) for B in (args.decode_batches or [1, 8, 64])
+                       ] if not args.no_decode else []
             peers.bench_peers(args.peers, _command(args), threads=args.threads or benchmark.default_threads(),
-                              reps=args.reps or 5, out_md=str(out / "peers.md"), out_json=str(out / "peers.json"))
+                              reps=args.reps or 5, shapes=shapes, out_md=str(out / "peers.md"),
+                              out_json=str(out / "peers.json"))
         except FileNotFoundError as exc:
             raise UsageError(f"--peers: {exc}") from exc
         return 0

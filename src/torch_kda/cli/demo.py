@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train on this text file (default: the .py sources of Python's standard library)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help=f"training steps (default: {DEFAULT_STEPS['native']} on the native backend, "
-                        f"{DEFAULT_STEPS['reference']} on the ~4x slower reference: about 2 minutes of 2 cores)")
+                        f"{DEFAULT_STEPS['reference']} on the ~4x slower reference: about 2 minutes on 2 idle cores, "
+                        "longer on a busy machine)")
     p.add_argument("--seq-len", type=positive_int, default=256,
                    help="bytes per training sequence (default: %(default)s)")
     p.add_argument("--batch-size", type=positive_int, default=16,

@@ -1,8 +1,8 @@
 """The native forward runs long inputs in token blocks (csrc/cpu/recurrent_fwd.cpp): q, k, the
 decays and beta of one block of every sequence are pre-processed into a small reused workspace,
-then the recurrence runs over the block. A block holds about 4 MB of pre-processed rows, so
-H * K of a few hundred makes blocks of 64-448 tokens: these shapes cross several block
-boundaries (the state and the next token's read carry across them)."""
+then the recurrence runs over the block. A block holds about 8 MB of pre-processed rows, so
+HV * K of about two thousand makes blocks of a few hundred tokens: these shapes cross several
+block boundaries (the state and the next token's read carry across them)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def native(p):
     return torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="native")
 
 
-@pytest.mark.parametrize("seqlens", [None, (700, 0, 90)], ids=["batch", "varlen_with_empty"])
+@pytest.mark.parametrize("seqlens", [None, (1000, 0, 60)], ids=["batch", "varlen_with_empty"])
 def test_forward_across_token_blocks_matches_the_float64_reference(seqlens):
-    # fp32: 8 heads of K = 130 -> 16.6 KB per token -> blocks of 192 tokens per sequence.
-    p = make_problem(B=2, T=450, H=4, HV=8, K=130, V=6, seqlens=seqlens, gate="softplus", seed=4)
+    # fp32: 8 + 16 heads of K = 130 -> 25 KB per token -> blocks of 320 tokens per sequence.
+    p = make_problem(B=2, T=450, H=8, HV=16, K=130, V=6, seqlens=seqlens, gate="softplus", seed=4)
     o_ref, s_ref = oracle_f64(p)
     o, s = native(p.to(torch.float32))
     assert rel_err(o, o_ref) < 2e-5
@@ -38,8 +38,8 @@ def test_forward_across_token_blocks_matches_the_float64_reference(seqlens):
 
 
 def test_float64_forward_across_token_blocks_matches_the_reference_to_rounding():
-    # fp64: 25 KB per token -> blocks of 128 tokens.
-    p = make_problem(B=1, T=300, H=4, HV=8, K=130, V=5, gate="bounded", seed=6)
+    # fp64: 25 KB per token -> blocks of 320 tokens.
+    p = make_problem(B=1, T=700, H=4, HV=8, K=130, V=5, gate="bounded", seed=6)
     o_ref, s_ref = oracle_f64(p)
     o, s = native(p)
     assert rel_err(o, o_ref) < 1e-12
@@ -50,7 +50,7 @@ def test_float64_forward_across_token_blocks_matches_the_reference_to_rounding()
 def test_half_inputs_converted_per_block_equal_fp32_inputs_of_the_same_values(dtype):
     # The conversion to fp32 is exact, so converting block by block must give bitwise the
     # result of the fp32 op on the same values, rounded to the output dtype once.
-    p = make_problem(B=2, T=400, H=4, HV=8, K=130, V=6, gate="softplus", seed=8,
+    p = make_problem(B=2, T=400, H=8, HV=16, K=130, V=6, gate="softplus", seed=8,
                      state_v_first=True).to(dtype)
     o, s = native(p)
     p32 = p.to(torch.float32)
@@ -61,7 +61,7 @@ def test_half_inputs_converted_per_block_equal_fp32_inputs_of_the_same_values(dt
 
 
 def test_token_blocks_are_bitwise_identical_for_one_and_two_threads_with_gradients():
-    p = make_problem(B=1, T=420, H=4, HV=8, K=130, V=6, gate="softplus", seed=11)
+    p = make_problem(B=1, T=420, H=8, HV=16, K=130, V=6, gate="softplus", seed=11)
     before = torch.get_num_threads()
     results = []
     try:

@@ -185,7 +185,7 @@ at::Tensor state_kv(const std::optional<at::Tensor>& s, const Config& cfg, at::S
 namespace {
 
 // Token blocks of the forward: the pre-processed q, k, decay, decay*k and beta of one block of
-// every sequence (tb tokens each) live in a small workspace (~4 MB: cache-resident, and reused by
+// every sequence (tb tokens each) live in a small workspace (~8 MB: L3-resident, and reused by
 // the allocator from call to call instead of page-faulting fresh full-size arrays in); the
 // recurrence runs over the block, then the next block is pre-processed. A function of the shapes
 // only (never of the thread count), so the result does not depend on the thread count.
@@ -196,7 +196,7 @@ struct BlockPlan {
 };
 
 BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt) {
-  constexpr int64_t kBudget = int64_t(4) << 20;
+  constexpr int64_t kBudget = int64_t(8) << 20;
   const int64_t per_token = ((2 * d.H + 2 * d.HV) * d.K + d.HV) * static_cast<int64_t>(elt);
   int64_t tb = std::max<int64_t>(1, kBudget / std::max<int64_t>(1, per_token));
   tb = std::min<int64_t>(4096, std::max<int64_t>(kernels::kChunk, tb / kernels::kChunk * kernels::kChunk));
@@ -344,6 +344,12 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
       std::max<int64_t>(1, std::min(n_slices, (2 * threads + heads - 1) / heads));
   const int64_t units = d.N * d.HV * groups;
 
+  // One scratch per thread (states of the unit's slices, reads, zeros), reused by all its units
+  // and blocks: no allocation inside the parallel regions.
+  const int64_t ws_stride = kernels::fwd_scratch_elems(d.K, n_slices);
+  const at::Tensor thread_ws = at::empty({threads * ws_stride}, opts);
+  T* const ws0 = thread_ws.data_ptr<T>();
+
   std::vector<int64_t> rs(d.N), re(d.N), loc(d.N + 1);
   for (int64_t j = 0; j < plan.n_blocks; ++j) {
     // This block's token range of every sequence, and its rows in the workspace.
@@ -370,8 +376,10 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
         if (conv_vo) v_w.narrow(0, loc[n], len).copy_(v_in.narrow(0, rs[n], len));
       }
     }
-    // Pre-processing of the block's rows, in parallel over rows.
-    at::parallel_for(0, used, 16, [&](int64_t b, int64_t e) {
+    // Pre-processing of the block's rows, in parallel over rows (a few rows per task, so that
+    // every thread gets some of a short block).
+    const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, used / (4 * threads)));
+    at::parallel_for(0, used, grain, [&](int64_t b, int64_t e) {
       int64_t n = static_cast<int64_t>(std::upper_bound(loc.begin(), loc.begin() + d.N, b) -
                                        loc.begin()) - 1;
       while (b < e) {
@@ -392,7 +400,8 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
         const int64_t hv = (u / groups) % d.HV;
         const int64_t n = u / (groups * d.HV);
         if (rs[n] == re[n] && !(j == 0 && seqs.start[n] == seqs.end[n])) continue;
-        fwd(A, n, hv, gi * n_slices / groups, (gi + 1) * n_slices / groups, rs[n], re[n]);
+        T* ws = ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * ws_stride;
+        fwd(A, n, hv, gi * n_slices / groups, (gi + 1) * n_slices / groups, rs[n], re[n], ws);
       }
     });
     if (conv_vo) {
@@ -421,6 +430,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recurrent_fwd_cpu(const Inputs& i
   at::Tensor ckpt = with_checkpoints ? at::empty({d.n_slots, d.HV, d.K, d.V}, opts)
                                      : at::empty({0}, opts);
   advise_huge_pages(o);
+  advise_huge_pages(ht);
   advise_huge_pages(ckpt);
   if (ct == at::kDouble) {
     run_fwd_blocked<double>(in, cfg, d, seqs, h0, o, ht, ckpt);

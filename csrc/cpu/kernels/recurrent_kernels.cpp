@@ -570,7 +570,7 @@ void fwd_block(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
 // each slice's state stays in L1 during its block.
 template <typename T>
 void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
-              int64_t rs, int64_t re) {
+              int64_t rs, int64_t re, T* ws) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   constexpr int64_t NVmax = (kFwdSlice + L - 1) / L;
@@ -578,9 +578,12 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   const int64_t K = A.K, Vd = A.V, HV = A.HV;
   const int64_t ts = A.seqs.seq_start[n];
   const int64_t n_sl = s_end - s_begin;
-  Scratch<V> S(n_sl * K * NVmax);
-  Scratch<V> r(n_sl * NVmax);
-  const Scratch<T> zeros(K);
+  static_assert(NVmax * L == kFwdSlice, "a slice is a whole number of vectors");
+  // The caller's scratch (fwd_scratch_elems): states, reads, zeros.
+  V* const S_ws = reinterpret_cast<V*>(ws);
+  V* const r_ws = S_ws + n_sl * K * NVmax;
+  T* const zeros = ws + n_sl * (K * kFwdSlice + kFwdSlice);
+  for (int64_t i = 0; i < K; ++i) zeros[i] = T(0);
   const int64_t state_base = (n * HV + hv) * K * Vd;  // in [N, HV, K, V]
   auto slice = [&](int64_t i, int64_t& j0, int64_t& width, int64_t& nv) {
     j0 = (s_begin + i) * kFwdSlice;
@@ -590,7 +593,7 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   for (int64_t i = 0; i < n_sl; ++i) {
     int64_t j0, width, nv;
     slice(i, j0, width, nv);
-    V* Si = S.data() + i * K * NVmax;
+    V* Si = S_ws + i * K * NVmax;
     // The range that starts the sequence reads the initial state (or zeros), later ones the
     // running state that the previous range left in ht.
     const T* src = rs == ts ? (A.h0 ? A.h0 + state_base + j0 : nullptr) : A.ht + state_base + j0;
@@ -609,24 +612,24 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
     for (int64_t i = 0; i < n_sl; ++i) {
       int64_t j0, width, nv;
       slice(i, j0, width, nv);
-      V* Si = S.data() + i * K * NVmax;
-      V* ri = r.data() + i * NVmax;
+      V* Si = S_ws + i * K * NVmax;
+      V* ri = r_ws + i * NVmax;
       if (nv <= 1) {
-        fwd_block<T, 1>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros.data());
+        fwd_block<T, 1>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros);
       } else if (nv == 2 || NVmax <= 2) {
-        fwd_block<T, (NVmax >= 2 ? 2 : 1)>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros.data());
+        fwd_block<T, (NVmax >= 2 ? 2 : 1)>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros);
       } else if (nv == 3 || NVmax <= 3) {
-        fwd_block<T, (NVmax >= 3 ? 3 : 1)>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros.data());
+        fwd_block<T, (NVmax >= 3 ? 3 : 1)>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros);
       } else {
         // Wider slices (doubles under AVX2) run the NVmax variant; padded columns stay zero.
-        fwd_block<T, static_cast<int>(NVmax)>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros.data());
+        fwd_block<T, static_cast<int>(NVmax)>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros);
       }
     }
   }
   for (int64_t i = 0; i < n_sl; ++i) {
     int64_t j0, width, nv;
     slice(i, j0, width, nv);
-    V* Si = S.data() + i * K * NVmax;
+    V* Si = S_ws + i * K * NVmax;
     T* dst = A.ht + state_base + j0;
     if (nv <= 1) {
       store_slice<T, 1>(dst, Si, K, Vd, width);

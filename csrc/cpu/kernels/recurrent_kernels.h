@@ -111,6 +111,13 @@ struct PrepArgs {
   T* s_out = nullptr;
 };
 
+// Scratch of one forward call (elements of the compute type): per slice the K x kFwdSlice state
+// and the kFwdSlice-wide read (kFwdSlice is a multiple of every vector width), then K zeros;
+// multiples of 16 elements, so every part stays 64-byte aligned.
+constexpr int64_t fwd_scratch_elems(int64_t K, int64_t n_slices) {
+  return n_slices * (K * kFwdSlice + kFwdSlice) + (K + 15) / 16 * 16;
+}
+
 struct Table {
   const char* isa;
   // Pre-processing of tokens [t0, t1).
@@ -118,10 +125,12 @@ struct Table {
   void (*prep_f64)(const PrepArgs<double>&, int64_t t0, int64_t t1);
   // Forward of tokens [t0, t1) of sequence n (a range inside it; t0 == seq_start reads h0, else
   // ht), slices [s_begin, s_end) (kFwdSlice columns each) of value head hv; the state goes to ht.
+  // ws: the calling thread's scratch, fwd_scratch_elems(K, s_end - s_begin) elements, 64-byte
+  // aligned (owned by the driver and reused by every call of the thread: no allocation here).
   void (*fwd_f32)(const FwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
-                  int64_t t0, int64_t t1);
+                  int64_t t0, int64_t t1, float* ws);
   void (*fwd_f64)(const FwdArgs<double>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
-                  int64_t t0, int64_t t1);
+                  int64_t t0, int64_t t1, double* ws);
   // Backward of slices [s_begin, s_end) (kBwdSlice columns each) of (n, hv), writing partial p.
   void (*bwd_f32)(const BwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
                   int64_t p);

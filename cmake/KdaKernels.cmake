@@ -2,7 +2,8 @@
 # instruction set; csrc/cpu/isa_dispatch.cpp picks one at run time (__builtin_cpu_supports), so
 # the library runs on any x86-64 CPU and uses AVX-512 where present.
 set(KDA_KERNEL_SOURCES
-  ${CMAKE_CURRENT_LIST_DIR}/../csrc/cpu/kernels/recurrent_kernels.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/../csrc/cpu/kernels/recurrent_kernels.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/../csrc/cpu/kernels/serving_kernels.cpp)
 
 set(KDA_KERNEL_OBJECTS "")
 set(KDA_KERNEL_DEFINITIONS "")

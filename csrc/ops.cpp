@@ -16,10 +16,14 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <tuple>
+#include <unordered_map>
 
 #include "cpu/kda_cpu.h"
 #include "cpu/kernels/recurrent_kernels.h"
+#include "cpu/serving.h"
 
 namespace kda {
 namespace detail {
@@ -233,6 +237,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(KDA_OP_ARGS) {
 std::tuple<at::Tensor, at::Tensor> fused_recurrent_cpu(KDA_OP_ARGS) {
   const Inputs in = KDA_OP_INPUTS;
   check_cpu(in);
+  {
+    // Decode (one token per sequence): the serving kernels read each state slice once and write
+    // the fresh final state once, in either layout, without transposed copies.
+    const Config cfg = KDA_OP_CONFIG;
+    const Dims d = check_inputs(in, cfg, /*check_values=*/true);
+    // TORCH_KDA_DECODE_KERNEL=recurrent keeps decode calls on the general recurrent kernels
+    // (benchmarks compare the two paths side by side; tests check they agree).
+    const char* forced = std::getenv("TORCH_KDA_DECODE_KERNEL");
+    const bool general = forced != nullptr && std::string(forced) == "recurrent";
+    if (!general && is_decode_call(in, d)) {
+      const auto ct = compute_dtype(q);
+      at::Tensor o = at::empty({d.B, d.T, d.HV, d.V}, q.options());
+      at::Tensor ht = cfg.state_v_first ? at::empty({d.N, d.HV, d.V, d.K}, q.options().dtype(ct))
+                                        : at::empty({d.N, d.HV, d.K, d.V}, q.options().dtype(ct));
+      serving_cpu(in, cfg, d, plain_plan(in, d),
+                  in.initial_state ? *in.initial_state : at::Tensor(), ht, o);
+      return {o, ht};
+    }
+  }
   auto r = recurrent_fwd_cpu(in, KDA_OP_CONFIG, /*with_checkpoints=*/false);
   return {std::get<0>(r), std::get<1>(r)};
 }
@@ -472,6 +495,231 @@ Grads bwd_autograd(const at::Tensor& grad_o,
 }
 
 }  // namespace
+
+// ---- serving: a state pool addressed by slot indices (docs/serving.md) ----------------------
+
+namespace {
+
+constexpr const char* kSrv = "kda::fused_recurrent_serving: ";
+
+#define KDA_SERVING_ARGS                                                                       \
+  const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &g,         \
+      const at::Tensor &beta, double scale, const std::optional<at::Tensor>&initial_state,    \
+      const std::optional<at::Tensor>&ssm_state_indices,                                       \
+      const std::optional<at::Tensor>&num_accepted_tokens, const at::Tensor &out,             \
+      const std::optional<at::Tensor>&final_state, int64_t pad_slot_id,                        \
+      bool inplace_final_state, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,        \
+      bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, std::optional<double> lower_bound, \
+      bool state_v_first, const std::optional<at::Tensor>&cu_seqlens,                          \
+      const std::optional<at::Tensor>&A_log, const std::optional<at::Tensor>&dt_bias
+#define KDA_SERVING_FORWARD                                                                    \
+  q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens, out,        \
+      final_state, pad_slot_id, inplace_final_state, use_qk_l2norm_in_kernel,                 \
+      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,           \
+      state_v_first, cu_seqlens, A_log, dt_bias
+
+std::optional<at::Tensor> defined_or_none(const std::optional<at::Tensor>& t) {
+  return (t && t->defined()) ? t : std::nullopt;
+}
+
+// Every check of a serving call, and the plan it resolves to. Nothing is written before this
+// returns, so a rejected call leaves the pool (and out) untouched.
+ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
+  const auto pool = defined_or_none(initial_state);
+  const auto idx = defined_or_none(ssm_state_indices);
+  const auto nat = defined_or_none(num_accepted_tokens);
+  const auto fresh = defined_or_none(final_state);
+  TORCH_CHECK(beta.defined(), kSrv, "beta must be a defined tensor");
+  const bool headwise = beta.dim() == 4;
+  // The plain checks, with the pool and a head-wise beta replaced by what they check.
+  in = make_inputs(q, k, v, g, headwise ? beta.select(3, 0) : beta, idx ? std::nullopt : pool,
+                   cu_seqlens, A_log, dt_bias);
+  cfg = make_config(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, lower_bound, state_v_first);
+  check_cpu(in);
+  d = check_inputs(in, cfg, /*check_values=*/true);
+  in.beta = beta;
+  in.initial_state = pool;
+  if (headwise) check_shape(beta, "beta", {d.B, d.T, d.HV, d.V}, "[B, T, HV, V] (head-wise)");
+  const auto ct = compute_dtype(q);
+  const std::vector<int64_t> per_slot = state_v_first ? std::vector<int64_t>{d.HV, d.V, d.K}
+                                                      : std::vector<int64_t>{d.HV, d.K, d.V};
+  const char* layout = state_v_first ? "[num_slots, HV, V, K] (state_v_first)" : "[num_slots, HV, K, V]";
+  int64_t num_slots = 0;
+  if (idx || inplace_final_state) {
+    TORCH_CHECK_VALUE(pool.has_value(), kSrv, idx ? "ssm_state_indices" : "inplace_final_state=True",
+                      " needs the state pool as initial_state ", layout, ", got None");
+    const auto& p = *pool;
+    check_device(p, "initial_state", q);
+    TORCH_CHECK_VALUE(p.dim() == 4 && p.size(1) == per_slot[0] && p.size(2) == per_slot[1] &&
+                          p.size(3) == per_slot[2],
+                      kSrv, "initial_state (the state pool) must have shape ", layout,
+                      " with [HV, ., .] = ", at::IntArrayRef(per_slot), ", got ", p.sizes());
+    TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 ||
+                         (p.scalar_type() == at::kDouble && ct == at::kDouble),
+                     kSrv, "the state pool (initial_state) must be float32 or bfloat16 (or float64 "
+                     "with float64 inputs), got ", p.scalar_type());
+    num_slots = p.size(0);
+  }
+  if (inplace_final_state) {
+    const auto& p = *pool;
+    TORCH_CHECK_VALUE(p.stride(3) == 1 && p.stride(2) == p.size(3) &&
+                          p.stride(1) == p.size(2) * p.size(3),
+                      kSrv, "inplace_final_state=True needs each slot of the pool contiguous, got "
+                      "strides ", p.strides());
+    TORCH_CHECK_VALUE(!fresh, kSrv, "final_state must be None with inplace_final_state=True "
+                      "(the pool receives the states)");
+  }
+  check_device(out, "out", q);
+  check_shape(out, "out", {d.B, d.T, d.HV, d.V}, "[B, T, HV, V]");
+  TORCH_CHECK_TYPE(out.scalar_type() == q.scalar_type(), kSrv, "out must have the dtype of q (",
+                   q.scalar_type(), "), got ", out.scalar_type());
+  if (fresh) {
+    check_device(*fresh, "final_state", q);
+    if (state_v_first) {
+      check_shape(*fresh, "final_state", {d.N, d.HV, d.V, d.K}, "[N, HV, V, K]");
+    } else {
+      check_shape(*fresh, "final_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]");
+    }
+    TORCH_CHECK_TYPE(fresh->scalar_type() == ct && fresh->is_contiguous(), kSrv,
+                     "final_state must be a contiguous ", ct, " tensor, got ", fresh->scalar_type());
+  }
+
+  ServingPlan plan;
+  const Sequences seqs = make_sequences(in, d);
+  plan.seq_start = seqs.start;
+  plan.seq_end = seqs.end;
+  plan.src_row.assign(d.N, -1);
+  plan.dst_row.assign(d.N, -1);
+  plan.pad.assign(d.N, 0);
+  std::vector<int64_t> accepted;
+  if (nat) {
+    TORCH_CHECK_VALUE(idx && idx->dim() == 2, kSrv, "num_accepted_tokens (speculative decoding) "
+                      "needs 2-D ssm_state_indices [N, T_max]");
+    TORCH_CHECK_TYPE(nat->scalar_type() == at::kLong || nat->scalar_type() == at::kInt, kSrv,
+                     "num_accepted_tokens must be int64 or int32, got ", nat->scalar_type());
+    check_device(*nat, "num_accepted_tokens", q);
+    check_shape(*nat, "num_accepted_tokens", {d.N}, "[N]");
+    const auto a = nat->to(at::kLong).contiguous();
+    accepted.assign(a.data_ptr<int64_t>(), a.data_ptr<int64_t>() + d.N);
+  }
+  if (!idx) {
+    for (int64_t n = 0; n < d.N; ++n) {
+      plan.src_row[n] = pool ? n : -1;
+      plan.dst_row[n] = inplace_final_state || fresh ? n : -1;
+    }
+    return plan;
+  }
+  TORCH_CHECK_TYPE(idx->scalar_type() == at::kLong || idx->scalar_type() == at::kInt, kSrv,
+                   "ssm_state_indices must be int64 or int32, got ", idx->scalar_type());
+  check_device(*idx, "ssm_state_indices", q);
+  TORCH_CHECK_VALUE((idx->dim() == 1 || idx->dim() == 2) && idx->size(0) == d.N, kSrv,
+                    "ssm_state_indices must have shape [N] or [N, T_max] with N = ", d.N,
+                    ", got ", idx->sizes());
+  TORCH_CHECK_VALUE(idx->dim() == 1 || inplace_final_state, kSrv,
+                    "2-D ssm_state_indices write per-token snapshots into the pool and need "
+                    "inplace_final_state=True");
+  const auto iv = idx->to(at::kLong).contiguous();
+  const int64_t* ix = iv.data_ptr<int64_t>();
+  const int64_t cols = idx->dim() == 2 ? idx->size(1) : 1;
+  auto slot = [&](int64_t n, int64_t t) -> int64_t {  // -1: pad
+    const int64_t s = ix[n * cols + t];
+    if (s == pad_slot_id) return -1;
+    TORCH_CHECK_VALUE(s >= 0 && s < num_slots, kSrv, "ssm_state_indices[", n,
+                      idx->dim() == 2 ? ", " + std::to_string(t) : std::string(), "] = ", s,
+                      " is out of range: expected a slot in [0, ", num_slots,
+                      ") (num_slots = initial_state.shape[0]) or pad_slot_id = ", pad_slot_id);
+    return s;
+  };
+  std::unordered_map<int64_t, int64_t> writer;
+  auto claim = [&](int64_t s, int64_t n) {
+    if (s < 0) return;
+    const auto it = writer.emplace(s, n).first;
+    TORCH_CHECK_VALUE(it->second == n, kSrv, "two sequences write slot ", s,
+                      " in one call (sequences ", it->second, " and ", n,
+                      "); each slot may be written by one sequence only");
+  };
+  if (idx->dim() == 1) {
+    for (int64_t n = 0; n < d.N; ++n) {
+      const int64_t s = slot(n, 0);
+      plan.pad[n] = s < 0;
+      plan.src_row[n] = s;
+      if (inplace_final_state) {
+        plan.dst_row[n] = s;
+        claim(s, n);
+      } else if (fresh) {
+        plan.dst_row[n] = n;
+      }
+    }
+  } else {
+    plan.snap_ld = cols;
+    plan.snap.assign(d.N * cols, -1);
+    for (int64_t n = 0; n < d.N; ++n) {
+      const int64_t Tn = plan.seq_end[n] - plan.seq_start[n];
+      TORCH_CHECK_VALUE(Tn <= cols, kSrv, "sequence ", n, " has ", Tn,
+                        " tokens but ssm_state_indices has T_max = ", cols, " columns");
+      if (Tn == 0) {
+        plan.pad[n] = 1;
+        continue;
+      }
+      const int64_t a = nat ? accepted[n] : 1;
+      TORCH_CHECK_VALUE(a >= 1 && a <= Tn, kSrv, "num_accepted_tokens[", n,
+                        "] must be in [1, T_n] = [1, ", Tn, "], got ", a);
+      std::vector<int64_t> row(Tn);
+      for (int64_t t = 0; t < Tn; ++t) row[t] = slot(n, t);
+      plan.src_row[n] = row[a - 1];
+      plan.pad[n] = row[a - 1] < 0;
+      if (plan.pad[n]) continue;
+      for (int64_t t = 0; t < Tn; ++t) {
+        plan.snap[n * cols + t] = row[t];
+        claim(row[t], n);
+      }
+    }
+  }
+  for (int64_t n = 0; n < d.N; ++n) {
+    const int64_t s = plan.src_row[n];
+    if (s < 0) continue;
+    const auto it = writer.find(s);
+    TORCH_CHECK_VALUE(it == writer.end() || it->second == n, kSrv, "slot ", s,
+                      " is read by sequence ", n, " and written by sequence ", it->second,
+                      " in the same call; give each sequence its own slots");
+  }
+  return plan;
+}
+
+void fused_recurrent_serving_cpu(KDA_SERVING_ARGS) {
+  Inputs in;
+  Config cfg;
+  Dims d;
+  const ServingPlan plan = check_serving(KDA_SERVING_FORWARD, in, cfg, d);
+  const auto fresh = defined_or_none(final_state);
+  const at::Tensor dst = inplace_final_state ? *in.initial_state : fresh ? *fresh : at::Tensor();
+  serving_cpu(in, cfg, d, plan, in.initial_state ? *in.initial_state : at::Tensor(), dst, out);
+}
+
+void fused_recurrent_serving_meta(KDA_SERVING_ARGS) {}  // outputs are the caller's tensors
+
+// Serving is inference only: the pool and out are written in place, which autograd cannot follow.
+void fused_recurrent_serving_autograd(KDA_SERVING_ARGS) {
+  if (at::GradMode::is_enabled()) {
+    auto req = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
+    const char* name = q.requires_grad() ? "q" : k.requires_grad() ? "k" : v.requires_grad() ? "v"
+                       : g.requires_grad() ? "g" : beta.requires_grad() ? "beta"
+                       : req(initial_state) ? "initial_state" : req(A_log) ? "A_log"
+                       : req(dt_bias) ? "dt_bias" : out.requires_grad() ? "out" : nullptr;
+    TORCH_CHECK_VALUE(name == nullptr, kSrv, "serving calls are inference only (the pool and out "
+                      "are written in place), but ", name, " requires grad; run under "
+                      "torch::NoGradGuard / torch.no_grad(), or use backend=\"reference\" for "
+                      "gradients");
+  }
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kda::fused_recurrent_serving", "")
+                       .typed<void(KDA_SERVING_ARGS)>();
+  at::AutoDispatchBelowADInplaceOrView guard;
+  op.call(KDA_SERVING_FORWARD);
+}
+
+}  // namespace
 }  // namespace detail
 
 // ---- public C++ API ---------------------------------------------------------------------------
@@ -492,9 +740,32 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent(const at::Tensor& q, const at
                            const std::optional<at::Tensor>&, bool, bool, bool, bool,
                            std::optional<double>, bool, const std::optional<at::Tensor>&,
                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
-  return op.call(q, k, v, g, beta, scale, o.initial_state, o.use_qk_l2norm_in_kernel,
-                 o.use_gate_in_kernel, o.use_beta_sigmoid_in_kernel, o.allow_neg_eigval,
-                 o.lower_bound, o.state_v_first, o.cu_seqlens, o.A_log, o.dt_bias);
+  const bool serving = o.ssm_state_indices || o.num_accepted_tokens || o.inplace_final_state ||
+                       o.out || (beta.defined() && beta.dim() == 4);
+  if (!serving) {
+    return op.call(q, k, v, g, beta, scale, o.initial_state, o.use_qk_l2norm_in_kernel,
+                   o.use_gate_in_kernel, o.use_beta_sigmoid_in_kernel, o.allow_neg_eigval,
+                   o.lower_bound, o.state_v_first, o.cu_seqlens, o.A_log, o.dt_bias);
+  }
+  // Serving call: the outputs are allocated here (the op writes into them) and the op checks
+  // everything before writing.
+  TORCH_CHECK(v.defined() && v.dim() == 4, "kda::fused_recurrent: v must be 4-D [B, T, HV, V]");
+  const at::Tensor out = o.out ? *o.out : at::empty(v.sizes(), q.options());
+  std::optional<at::Tensor> final_state;
+  if (!o.inplace_final_state) {
+    const int64_t N = o.cu_seqlens ? o.cu_seqlens->size(0) - 1 : q.size(0);
+    const auto opts = q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+    final_state = o.state_v_first ? at::empty({N, v.size(2), v.size(3), q.size(3)}, opts)
+                                  : at::empty({N, v.size(2), q.size(3), v.size(3)}, opts);
+  }
+  static auto sop = c10::Dispatcher::singleton()
+                        .findSchemaOrThrow("kda::fused_recurrent_serving", "")
+                        .typed<void(KDA_SERVING_ARGS)>();
+  sop.call(q, k, v, g, beta, scale, o.initial_state, o.ssm_state_indices, o.num_accepted_tokens,
+           out, final_state, o.pad_slot_id, o.inplace_final_state, o.use_qk_l2norm_in_kernel,
+           o.use_gate_in_kernel, o.use_beta_sigmoid_in_kernel, o.allow_neg_eigval, o.lower_bound,
+           o.state_v_first, o.cu_seqlens, o.A_log, o.dt_bias);
+  return {out, o.inplace_final_state ? *o.initial_state : *final_state};
 }
 
 const char* cpu_kernel_isa() { return kernels::table().isa; }
@@ -514,6 +785,15 @@ TORCH_LIBRARY(kda, m) {
   m.def("fused_recurrent(" KDA_SCHEMA_ARGS ") -> (Tensor o, Tensor final_state)");
   m.def("fused_recurrent_fwd(" KDA_SCHEMA_ARGS
         ") -> (Tensor o, Tensor final_state, Tensor checkpoints)");
+  // Serving (docs/serving.md): writes o into `out`, final states into the pool (in place) or into
+  // `final_state`, and returns nothing; inference only.
+  m.def("fused_recurrent_serving(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, "
+        "Tensor(a!)? initial_state, Tensor? ssm_state_indices, Tensor? num_accepted_tokens, "
+        "Tensor(b!) out, Tensor(c!)? final_state, int pad_slot_id=-1, "
+        "bool inplace_final_state=False, bool use_qk_l2norm_in_kernel=False, "
+        "bool use_gate_in_kernel=False, bool use_beta_sigmoid_in_kernel=False, "
+        "bool allow_neg_eigval=False, float? lower_bound=None, bool state_v_first=False, "
+        "Tensor? cu_seqlens=None, Tensor? A_log=None, Tensor? dt_bias=None) -> ()");
   m.def("fused_recurrent_bwd(Tensor grad_o, Tensor? grad_final_state, Tensor checkpoints, "
         KDA_SCHEMA_ARGS
         ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, "
@@ -524,15 +804,18 @@ TORCH_LIBRARY_IMPL(kda, CPU, m) {
   m.impl("fused_recurrent", &kda::detail::fused_recurrent_cpu);
   m.impl("fused_recurrent_fwd", &kda::detail::fwd_cpu);
   m.impl("fused_recurrent_bwd", &kda::detail::bwd_cpu);
+  m.impl("fused_recurrent_serving", &kda::detail::fused_recurrent_serving_cpu);
 }
 
 TORCH_LIBRARY_IMPL(kda, Meta, m) {
   m.impl("fused_recurrent", &kda::detail::fused_recurrent_meta);
   m.impl("fused_recurrent_fwd", &kda::detail::fwd_meta);
   m.impl("fused_recurrent_bwd", &kda::detail::bwd_meta);
+  m.impl("fused_recurrent_serving", &kda::detail::fused_recurrent_serving_meta);
 }
 
 TORCH_LIBRARY_IMPL(kda, Autograd, m) {
   m.impl("fused_recurrent", &kda::detail::fused_recurrent_autograd);
   m.impl("fused_recurrent_bwd", &kda::detail::bwd_autograd);
+  m.impl("fused_recurrent_serving", &kda::detail::fused_recurrent_serving_autograd);
 }

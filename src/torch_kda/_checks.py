@@ -8,6 +8,7 @@ expected and the actual value (DESIGN.md, "Policies"), and return a normalised b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import List, Optional
@@ -214,3 +215,255 @@ def check_kda_inputs(
                      bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), bool(safe_gate),
                      lower_bound, bool(state_v_first), cu_seqlens, A_log, dt_bias, chunk_size,
                      B, T, H, K, HV, V, N)
+
+
+# ---- serving arguments (state pool, slot indices, speculative decoding) -------------------------
+
+_POOL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ServingArgs:
+    """Checked serving arguments of ``fused_recurrent_kda`` / ``chunk_kda`` (docs/serving.md).
+
+    ``read_slots[n]`` is the pool slot sequence ``n`` starts from (``None``: no pool, the state is
+    ``initial_state[n]`` or zeros), ``is_pad[n]`` marks pad sequences (zero output, nothing
+    written); ``snapshot_slots[n][t]`` is the slot that receives the state after token ``t``
+    (2-D indices; ``None`` entries write nothing); ``final_slots[n]`` the slot that receives the
+    final state (in-place calls with 1-D or no indices). Host lists, computed once here.
+    """
+
+    ssm_state_indices: Optional[torch.Tensor]   # int64, [N] or [N, T_max]
+    num_accepted_tokens: Optional[torch.Tensor]  # int64 [N]
+    inplace_final_state: bool
+    out: Optional[torch.Tensor]
+    pad_slot_id: int
+    return_intermediate_states: bool
+    beta_headwise: bool
+    read_slots: List[Optional[int]]
+    is_pad: List[bool]
+    snapshot_slots: Optional[List[List[Optional[int]]]]
+    final_slots: Optional[List[Optional[int]]]
+    seq_lens: List[int]
+
+    @property
+    def uses_pool(self) -> bool:
+        """True when ``initial_state`` is a pool addressed by ``ssm_state_indices``."""
+        return self.ssm_state_indices is not None
+
+
+def _require_bool(name: str, x) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+    return x
+
+
+def _sequence_lengths(x: KDAInputs) -> List[int]:
+    if x.cu_seqlens is None:
+        return [x.T] * x.B
+    b = x.seq_bounds
+    return [b[i + 1] - b[i] for i in range(len(b) - 1)]
+
+
+def _requires_grad(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
+def check_serving_inputs(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+    state_v_first, cu_seqlens, A_log, dt_bias, chunk_size: int = 64, *,
+    ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=False, out=None,
+    pad_slot_id=-1, return_intermediate_states=False, method: str = "recurrent",
+) -> "tuple[KDAInputs, Optional[ServingArgs]]":
+    """Validate the KDA arguments plus the serving ones (FLA's ``fused_recurrent_kda_fwd`` names).
+
+    Returns ``(x, serving)``; ``serving`` is None when no serving argument is in use (the plain
+    call, checked by :func:`check_kda_inputs` alone). ``method`` is ``"recurrent"``
+    (``fused_recurrent_kda``: 1-D or 2-D indices, ``num_accepted_tokens``, head-wise beta) or
+    ``"chunk"`` (``chunk_kda``: 1-D indices, ``return_intermediate_states``).
+
+    Raises:
+        TypeError: non-tensor / non-integer indices, non-bool flags, non-int ``pad_slot_id``,
+            ``out`` of another dtype than ``q``.
+        ValueError: shapes, an index outside ``[0, num_slots)`` (and not ``pad_slot_id``), two
+            sequences writing one slot (or one writing a slot another reads),
+            ``num_accepted_tokens`` outside ``[1, T_n]``, sequences longer than ``T_max``, a pool
+            dtype/shape/layout mismatch, in-place calls on tensors that require grad (serving is
+            inference only). Nothing is written before these checks pass.
+    """
+    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
+        raise TypeError(f"pad_slot_id must be an int, got {type(pad_slot_id).__name__} {pad_slot_id!r}")
+    _require_bool("inplace_final_state", inplace_final_state)
+    _require_bool("return_intermediate_states", return_intermediate_states)
+    headwise = isinstance(beta, torch.Tensor) and beta.dim() == 4
+    active = (ssm_state_indices is not None or num_accepted_tokens is not None or inplace_final_state
+              or out is not None or headwise or return_intermediate_states)
+    if not active:
+        x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
+                             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                             allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens,
+                             A_log, dt_bias, chunk_size)
+        return x, None
+    if method == "chunk":
+        if headwise:
+            raise ValueError("beta must be 3-D [B, T, HV] for chunk_kda (head-wise beta [B, T, HV, V] "
+                             f"is a fused_recurrent_kda feature), got shape {tuple(beta.shape)} (4-D)")
+        if num_accepted_tokens is not None:
+            raise ValueError("chunk_kda takes 1-D ssm_state_indices only; num_accepted_tokens "
+                             "(speculative decoding) is a fused_recurrent_kda argument, got a tensor")
+    elif return_intermediate_states:
+        raise ValueError("return_intermediate_states is a chunk_kda argument; fused_recurrent_kda "
+                         "writes per-token snapshots through 2-D ssm_state_indices instead")
+    pooled = ssm_state_indices is not None
+    # The plain checks, with the pool and a head-wise beta replaced by what they check.
+    x = check_kda_inputs(q, k, v, g, beta[..., 0] if headwise else beta, scale,
+                         None if pooled else initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                         allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
+                         dt_bias, chunk_size)
+    B, T, HV, K, V, N = x.B, x.T, x.HV, x.K, x.V, x.N
+    if headwise and tuple(beta.shape) != (B, T, HV, V):
+        raise ValueError(f"beta must be 3-D [B, T, HV] = {(B, T, HV)} or head-wise 4-D [B, T, HV, V] = "
+                         f"{(B, T, HV, V)}, got shape {tuple(beta.shape)}")
+    layout = "[num_slots, HV, V, K] (state_v_first=True)" if state_v_first else "[num_slots, HV, K, V]"
+    per_slot = (HV, V, K) if state_v_first else (HV, K, V)
+    if pooled or inplace_final_state:
+        if initial_state is None:
+            what = "ssm_state_indices" if pooled else "inplace_final_state=True"
+            raise ValueError(f"{what} needs the state pool as initial_state {layout}, got None")
+        _require_tensor("initial_state", initial_state, ndim=4)
+        _require_device("initial_state", initial_state, x.q.device)
+        if tuple(initial_state.shape[1:]) != per_slot:
+            raise ValueError(f"initial_state (the state pool) must have shape {layout} = "
+                             f"(num_slots, {', '.join(map(str, per_slot))}), got {tuple(initial_state.shape)}")
+        allowed = _POOL_DTYPES + ((torch.float64,) if x.q.dtype == torch.float64 else ())
+        if initial_state.dtype not in allowed:
+            raise TypeError(f"the state pool (initial_state) must have a dtype in "
+                            f"{[str(d) for d in allowed]}, got {initial_state.dtype}")
+    num_slots = initial_state.shape[0] if initial_state is not None else 0
+    if inplace_final_state:
+        inner = initial_state.stride()[1:]
+        expected_inner = (per_slot[1] * per_slot[2], per_slot[2], 1)
+        if tuple(inner) != expected_inner:
+            raise ValueError("inplace_final_state=True needs each slot of the pool contiguous "
+                             f"(strides (*, {', '.join(map(str, expected_inner))})), got strides "
+                             f"{tuple(initial_state.stride())}")
+        if torch.is_grad_enabled():
+            for name, t in (("initial_state", initial_state), ("q", q), ("k", k), ("v", v),
+                            ("g", g), ("beta", beta), ("A_log", A_log), ("dt_bias", dt_bias)):
+                if _requires_grad(t):
+                    raise ValueError(
+                        "inplace_final_state=True is inference only (serving updates the pool in "
+                        f"place, which autograd cannot differentiate), but {name} requires grad; "
+                        "call it under torch.no_grad() / torch.inference_mode(), or use "
+                        "inplace_final_state=False")
+    if return_intermediate_states and torch.is_grad_enabled():
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                        ("initial_state", initial_state), ("A_log", A_log), ("dt_bias", dt_bias)):
+            if _requires_grad(t):
+                raise ValueError("return_intermediate_states=True is inference only (prefix "
+                                 f"caching), but {name} requires grad; call it under torch.no_grad()")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+        _require_shape("out", out, (B, T, HV, V), "[B, T, HV, V]")
+        if out.dtype != x.q.dtype:
+            raise TypeError(f"out must have the dtype of q ({x.q.dtype}), got {out.dtype}")
+        _require_device("out", out, x.q.device)
+        if torch.is_grad_enabled() and out.requires_grad:
+            raise ValueError("out= is inference only (it is written in place), but out requires grad")
+
+    seq_lens = _sequence_lengths(x)
+    nat = None
+    if num_accepted_tokens is not None:
+        if not pooled or ssm_state_indices.dim() != 2:
+            raise ValueError("num_accepted_tokens (speculative decoding) needs 2-D ssm_state_indices "
+                             "[N, T_max], got " + ("None" if not pooled else
+                                                  f"shape {tuple(ssm_state_indices.shape)}"))
+        _require_tensor("num_accepted_tokens", num_accepted_tokens, ndim=1, dtypes=_INT_DTYPES)
+        _require_shape("num_accepted_tokens", num_accepted_tokens, (N,), "[N]")
+        _require_device("num_accepted_tokens", num_accepted_tokens, x.q.device)
+        nat = [int(a) for a in num_accepted_tokens.tolist()]
+        num_accepted_tokens = num_accepted_tokens.long()
+
+    read_slots: List[Optional[int]] = [None] * N
+    is_pad = [False] * N
+    snapshot_slots = None
+    final_slots = None
+    if pooled:
+        idx = ssm_state_indices
+        _require_tensor("ssm_state_indices", idx, dtypes=_INT_DTYPES)
+        _require_device("ssm_state_indices", idx, x.q.device)
+        if idx.dim() not in (1, 2) or idx.shape[0] != N:
+            raise ValueError(f"ssm_state_indices must have shape [N] or [N, T_max] with N = {N} "
+                             f"sequences, got {tuple(idx.shape)}")
+        if idx.dim() == 2 and method == "chunk":
+            raise ValueError("chunk_kda takes 1-D ssm_state_indices [N]; 2-D indices (per-token "
+                             f"snapshots) are a fused_recurrent_kda argument, got shape {tuple(idx.shape)}")
+        if idx.dim() == 2 and not inplace_final_state:
+            raise ValueError("2-D ssm_state_indices write per-token snapshots into the pool and need "
+                             "inplace_final_state=True, got inplace_final_state=False")
+        values = idx.tolist()
+
+        def slot(v_: int, where: str) -> Optional[int]:
+            if v_ == pad_slot_id:
+                return None
+            if not 0 <= v_ < num_slots:
+                raise ValueError(f"ssm_state_indices{where} = {v_} is out of range: expected a slot "
+                                 f"in [0, {num_slots}) (num_slots = initial_state.shape[0]) or "
+                                 f"pad_slot_id = {pad_slot_id}")
+            return v_
+
+        writes: dict = {}
+
+        def claim(s: Optional[int], n: int, where: str) -> None:
+            if s is None:
+                return
+            other = writes.setdefault(s, n)
+            if other != n:
+                raise ValueError(f"two sequences write slot {s} in one call (sequences {other} and "
+                                 f"{n}, at ssm_state_indices{where}); each slot may be written by "
+                                 "one sequence only")
+
+        if idx.dim() == 1:
+            for n in range(N):
+                read_slots[n] = slot(values[n], f"[{n}]")
+                is_pad[n] = read_slots[n] is None
+            if inplace_final_state:
+                final_slots = list(read_slots)
+                for n in range(N):
+                    claim(final_slots[n], n, f"[{n}]")
+        else:
+            T_max = idx.shape[1]
+            snapshot_slots = []
+            for n in range(N):
+                T_n = seq_lens[n]
+                if T_n > T_max:
+                    raise ValueError(f"sequence {n} has {T_n} tokens but ssm_state_indices has "
+                                     f"T_max = {T_max} columns (shape {tuple(idx.shape)})")
+                a = 1 if nat is None else nat[n]
+                if T_n > 0 and not 1 <= a <= T_n:
+                    raise ValueError(f"num_accepted_tokens[{n}] must be in [1, T_n] = [1, {T_n}], got {a}")
+                row = [slot(values[n][t], f"[{n}, {t}]") for t in range(T_n)]
+                if T_n == 0:
+                    read_slots[n], is_pad[n] = None, True  # nothing to read, write or output
+                else:
+                    read_slots[n] = row[a - 1]
+                    is_pad[n] = row[a - 1] is None
+                snapshot_slots.append([] if is_pad[n] else row)
+                for t, s in enumerate(snapshot_slots[n]):
+                    claim(s, n, f"[{n}, {t}]")
+        for n in range(N):
+            s = read_slots[n]
+            if s is not None and writes.get(s, n) != n:
+                raise ValueError(f"slot {s} is read by sequence {n} and written by sequence "
+                                 f"{writes[s]} in the same call; give each sequence its own slots")
+        ssm_state_indices = idx.long()
+    elif inplace_final_state:
+        final_slots = list(range(N))  # initial_state [N, ...] updated in place, row n <- sequence n
+
+    x = dataclasses.replace(x, initial_state=initial_state, beta=beta)  # the pool, head-wise beta
+    return x, ServingArgs(ssm_state_indices, num_accepted_tokens, inplace_final_state, out,
+                          pad_slot_id, return_intermediate_states, headwise, read_slots, is_pad,
+                          snapshot_slots, final_slots, seq_lens)

@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ._checks import KDAInputs
+from ._checks import KDAInputs, ServingArgs
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _FIX = ("reinstall with `pip install --no-build-isolation .` (`-e .` for an editable install; it needs "
@@ -77,3 +77,33 @@ def fused_recurrent(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]
         x.use_gate_in_kernel, x.use_beta_sigmoid_in_kernel, x.allow_neg_eigval, x.lower_bound,
         x.state_v_first, x.cu_seqlens, x.A_log, x.dt_bias)
     return o, (final_state if x.output_final_state else None)
+
+
+def _any_requires_grad(x: KDAInputs) -> Optional[str]:
+    for name in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias"):
+        t = getattr(x, name)
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return name
+    return None
+
+
+def serving(x: KDAInputs, s: ServingArgs):
+    """Serving arguments through ``torch.ops.kda.fused_recurrent_serving`` (in-place pool updates,
+    snapshots, pad slots, head-wise beta; forward only). Returns ``(o, final_state)``."""
+    if torch.is_grad_enabled():
+        name = _any_requires_grad(x)
+        if name is not None:
+            raise ValueError(f"backend='native' runs the serving arguments (ssm_state_indices, "
+                             f"inplace_final_state, out=, head-wise beta) forward only, but {name} "
+                             "requires grad; use backend='reference' for gradients")
+    out = s.out if s.out is not None else torch.empty(x.B, x.T, x.HV, x.V, dtype=x.q.dtype)
+    final = None
+    if not s.inplace_final_state and x.output_final_state:
+        shape = (x.N, x.HV, x.V, x.K) if x.state_v_first else (x.N, x.HV, x.K, x.V)
+        final = torch.empty(shape, dtype=x.compute_dtype)
+    torch.ops.kda.fused_recurrent_serving(
+        x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, s.ssm_state_indices,
+        s.num_accepted_tokens, out, final, s.pad_slot_id, s.inplace_final_state,
+        x.use_qk_l2norm_in_kernel, x.use_gate_in_kernel, x.use_beta_sigmoid_in_kernel,
+        x.allow_neg_eigval, x.lower_bound, x.state_v_first, x.cu_seqlens, x.A_log, x.dt_bias)
+    return out, (x.initial_state if s.inplace_final_state else final)

@@ -18,7 +18,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from . import _fla, _native, reference
-from ._checks import KDAInputs, check_kda_inputs
+from ._checks import KDAInputs, ServingArgs, check_kda_inputs, check_serving_inputs
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "kda_gate", "available_backends", "BackendStatus",
            "BACKENDS"]
@@ -81,7 +81,9 @@ def fused_recurrent_kda(
     allow_neg_eigval: bool = False, lower_bound: Optional[float] = None,
     state_v_first: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
     A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
-    backend: str = "auto",
+    backend: str = "auto", ssm_state_indices: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None, inplace_final_state: bool = False,
+    out: Optional[torch.Tensor] = None, pad_slot_id: int = -1,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Kimi Delta Attention, token by token (the recurrent form; best for decoding).
 
@@ -115,22 +117,49 @@ def fused_recurrent_kda(
             (``B == 1``, starts at 0, non-decreasing, ends at T).
         A_log: ``[HV]`` gate parameter; dt_bias: ``[HV * K]`` or ``[HV, K]`` gate bias.
         backend: ``"auto"``, ``"native"``, ``"reference"`` or ``"fla"`` (module docstring).
+        ssm_state_indices: serving (docs/serving.md): ``initial_state`` is then a state pool
+            ``[num_slots, HV, K, V]`` (``[num_slots, HV, V, K]`` V-first; fp32 or bf16) and this
+            int32/int64 tensor names the slots: ``[N]``: sequence n starts from slot
+            ``ssm_state_indices[n]`` and (in place) writes its final state there; ``[N, T_max]``
+            (speculative decoding, needs ``inplace_final_state``): it starts from slot
+            ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` and the state after its token t is
+            written to slot ``ssm_state_indices[n, t]``. Names of FLA's ``fused_recurrent_kda_fwd``.
+        num_accepted_tokens: ``[N]`` int32/int64 in ``[1, T_n]``, with 2-D indices (default: 1).
+        inplace_final_state: write the final states (or snapshots) into ``initial_state`` in place
+            and return it; slots not named are left bitwise unchanged. Inference only.
+        out: preallocated ``o`` (``[B, T, HV, V]``, ``q``'s dtype), written and returned.
+        pad_slot_id: an index equal to it marks a pad sequence (zero output, nothing read or
+            written); default -1 (vLLM's convention). ``beta`` may also be head-wise
+            ``[B, T, HV, V]`` (one strength per value column, as in FLA's recurrent kernel).
 
     Returns:
         ``(o, final_state)``: ``o [B, T, HV, V]`` in ``q``'s dtype; ``final_state`` fp32 (fp64 for
-        fp64 inputs) in the requested layout, or None without ``output_final_state``.
+        fp64 inputs) in the requested layout, or None without ``output_final_state``; with
+        ``inplace_final_state`` the pool (``initial_state``) itself.
         Arithmetic is fp32 (fp64 for fp64 inputs) whatever the input dtype.
 
     Raises:
         TypeError: non-tensors, non-float dtypes, mixed q/k/v dtypes, non-integer ``cu_seqlens``.
         ValueError: inconsistent shapes or devices, bad ``cu_seqlens``, ``HV % H != 0``, gate
-            arguments missing or out of range, unknown backend.
+            arguments missing or out of range, unknown backend; serving: an index out of range,
+            two sequences writing one slot, ``num_accepted_tokens`` outside ``[1, T_n]``, a pool
+            shape/dtype/layout mismatch, in-place calls on tensors that require grad. A rejected
+            call leaves the pool unchanged.
         RuntimeError: the requested backend cannot run here (see :func:`available_backends`).
     """
-    x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
-                         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                         allow_neg_eigval, False, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias)
+    x, srv = check_serving_inputs(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound,
+        state_v_first, cu_seqlens, A_log, dt_bias, ssm_state_indices=ssm_state_indices,
+        num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state, out=out,
+        pad_slot_id=pad_slot_id, method="recurrent")
     chosen = _resolve_backend(backend, x)
+    if srv is not None:
+        if chosen == "native":
+            return _native.serving(x, srv)
+        if chosen == "fla":
+            return _fla.serving(x, srv)
+        return reference.run_serving_reference(x, srv, "recurrent")
     if chosen == "native":
         return _native.fused_recurrent(x)
     if chosen == "fla":
@@ -146,8 +175,10 @@ def chunk_kda(
     allow_neg_eigval: bool = False, safe_gate: bool = False, lower_bound: Optional[float] = None,
     state_v_first: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
     A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
-    chunk_size: int = 64, backend: str = "auto",
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    chunk_size: int = 64, backend: str = "auto", ssm_state_indices: Optional[torch.Tensor] = None,
+    inplace_final_state: bool = False, return_intermediate_states: bool = False,
+    out: Optional[torch.Tensor] = None, pad_slot_id: int = -1,
+):
     """Kimi Delta Attention for training and prefill: a drop-in for ``fla.ops.kda.chunk_kda``.
 
     Same math, arguments, shapes, dtypes, returns and errors as :func:`fused_recurrent_kda`, plus:
@@ -157,16 +188,33 @@ def chunk_kda(
             ``-5 <= lower_bound < 0``. It never changes the result.
         chunk_size: chunk length C of the chunkwise (WY/UT transform) form, a positive int
             (FLA accepts 32 or 64).
+        ssm_state_indices, inplace_final_state, out, pad_slot_id: prefill into a state pool, as in
+            :func:`fused_recurrent_kda` (1-D indices only), so a mixed batch (long prompts and
+            single decode tokens packed with ``cu_seqlens``) runs in one call.
+        return_intermediate_states: also return, for prefix caching, the state entering each chunk
+            (entry i = the state after i * chunk_size tokens of its sequence), FLA's shape and
+            order: ``[B, NT, HV, K, V]`` (``[1, NT_total, ...]`` with ``cu_seqlens``), fp32 (fp64
+            for fp64 inputs), in the requested layout; the call then returns ``(o, final_state, h)``.
+            Inference only.
 
     The ``"reference"`` backend runs the chunkwise form (KDA_SPEC.md "Chunkwise form"; Kimi Linear
     report Eq. 10); ``"native"`` runs the fused recurrent C++ kernel (same result to rounding);
     ``"fla"`` calls FLA's Triton kernels.
     """
-    x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
-                         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                         allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
-                         dt_bias, chunk_size)
+    x, srv = check_serving_inputs(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+        state_v_first, cu_seqlens, A_log, dt_bias, chunk_size, ssm_state_indices=ssm_state_indices,
+        inplace_final_state=inplace_final_state, out=out, pad_slot_id=pad_slot_id,
+        return_intermediate_states=return_intermediate_states, method="chunk")
     chosen = _resolve_backend(backend, x)
+    if srv is not None:
+        if chosen == "native" and not return_intermediate_states:
+            return _native.serving(x, srv)
+        if chosen == "fla":
+            return _fla.serving_chunk(x, srv)
+        # the chunk-entry states come from the chunkwise reference on every CPU backend
+        return reference.run_serving_reference(x, srv, "chunk")
     if chosen == "native":
         return _native.fused_recurrent(x)
     if chosen == "fla":

@@ -779,3 +779,186 @@ def bench(kw: Dict[str, Any], command: str, info: Optional[dict] = None, out_md:
     if out_png:
         plot(results, out_png)
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# serving / decode rows (docs/benchmarks.md "Decode and serving"): one token per sequence, H = 32,
+# K = V = 128, gates / norms / sigmoid in the op. Memory-bound, so every row is reported as bytes
+# of state moved (read + written) per second over the box's copy bandwidth, measured in the same
+# run with ``copy_`` of a tensor of the same bytes. Variants of a row are timed interleaved
+# (a, b, c, a, b, c, ...) and summarised by medians: the box is shared and noisy.
+# Run: python -m torch_kda.benchmark serving [--threads 1 2] [--reps 40]
+
+# llama.cpp's ggml GATED_DELTA_NET decode on this 2-core box as quoted in issue 13 (us/call, fp32,
+# K = V = 128, H = 32): (B, threads) -> us. Not measured here; benchmarks/peers/ runs it.
+GGML_DECODE_US = {(1, 1): 230.0, (8, 1): 2745.0, (8, 2): 1448.0}
+
+
+def _interleaved_medians(fns: Dict[str, Callable[[], Any]], reps: int, warmup: int = 3
+                         ) -> Dict[str, float]:
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _serving_inputs(B: int, H: int, K: int, seed: int = 0):
+    t, f = make_inputs(Shape(B, 1, H, H, K, K, decode=True), torch.float32, seed=seed)
+    f = {k_: v_ for k_, v_ in f.items() if k_ != "output_final_state"}
+    return t, f
+
+
+def serving_rows(batches: Sequence[int] = (1, 8, 64), threads: Sequence[int] = (1, 2),
+                 H: int = 32, K: int = 128, reps: int = 40, spec_drafts: int = 4,
+                 spec_batch: int = 8) -> List[dict]:
+    """Decode and serving timings; one dict per (row, B, threads) with seconds and GB/s.
+
+    Rows: ``plain`` (the functional call, state in and out, K-first and V-first), ``recurrent``
+    (the same call on the general recurrent kernels, ``TORCH_KDA_DECODE_KERNEL=recurrent``: the
+    decode path before the serving kernels), ``pool_fp32`` / ``pool_bf16`` (state pool updated in
+    place by slot index, both layouts), ``copy`` (``copy_`` of the fp32 / bf16 state bytes), and
+    ``spec_verify`` vs ``spec_sequential`` (N = spec_batch sequences x spec_drafts tokens with
+    per-token snapshots, vs the same tokens as spec_drafts decode calls).
+    """
+    rows: List[dict] = []
+    old_threads = torch.get_num_threads()
+    try:
+        for th in threads:
+            torch.set_num_threads(th)
+            for B in batches:
+                t, f = _serving_inputs(B, H, K)
+                h0 = t.pop("initial_state")
+                h0_v = h0.transpose(-1, -2).contiguous()
+                slots = 2 * B  # a pool with free slots; the batch uses every other one
+                gen = torch.Generator().manual_seed(1)
+                pool32 = torch.randn(slots, H, K, K, generator=gen) * 0.1
+                pool32_v = pool32.transpose(-1, -2).contiguous()
+                pool16, pool16_v = pool32.bfloat16(), pool32_v.bfloat16()
+                idx = torch.randperm(slots, generator=gen)[:B]
+                out = torch.empty(B, 1, H, K)
+                state_bytes = B * H * K * K * 4
+                src32, dst32 = torch.randn(state_bytes // 4), torch.empty(state_bytes // 4)
+                src16, dst16 = torch.randn(state_bytes // 4).bfloat16(), torch.empty(state_bytes // 4, dtype=torch.bfloat16)
+
+                def plain(vf):
+                    s = h0_v if vf else h0
+                    return lambda: torch_kda.fused_recurrent_kda(**t, **f, initial_state=s, state_v_first=vf,
+                                                                 output_final_state=True, backend="native")
+
+                def recurrent():
+                    os.environ["TORCH_KDA_DECODE_KERNEL"] = "recurrent"
+                    try:
+                        torch_kda.fused_recurrent_kda(**t, **f, initial_state=h0, output_final_state=True,
+                                                      backend="native")
+                    finally:
+                        del os.environ["TORCH_KDA_DECODE_KERNEL"]
+
+                def pooled(pool, vf):
+                    return lambda: torch_kda.fused_recurrent_kda(
+                        **t, **f, initial_state=pool, state_v_first=vf, ssm_state_indices=idx,
+                        inplace_final_state=True, out=out, backend="native")
+
+                fns = {"plain_k": plain(False), "plain_v": plain(True), "recurrent": recurrent,
+                       "pool_fp32_k": pooled(pool32, False), "pool_fp32_v": pooled(pool32_v, True),
+                       "pool_bf16_k": pooled(pool16, False), "pool_bf16_v": pooled(pool16_v, True),
+                       "copy_fp32": lambda: dst32.copy_(src32), "copy_bf16": lambda: dst16.copy_(src16)}
+                with torch.no_grad():
+                    med = _interleaved_medians(fns, reps)
+                for name, sec in med.items():
+                    nbytes = 2 * state_bytes // (2 if "bf16" in name else 1)
+                    rows.append(dict(row=name, B=B, H=H, K=K, threads=th, seconds=sec,
+                                     gbps=nbytes / sec / 1e9))
+            # speculative verify: N x drafts tokens in one call vs drafts decode calls
+            N, D = spec_batch, spec_drafts
+            t, f = make_inputs(Shape(N, D, H, H, K, K), torch.float32, seed=2)
+            pool = torch.randn(N * (D + 1), H, K, K) * 0.1
+            idx2 = torch.arange(N * D).reshape(N, D)
+            nat = torch.ones(N, dtype=torch.long)
+            idx1 = torch.arange(N * D, N * D + N)
+            steps = [{k_: v_[:, i:i + 1] for k_, v_ in t.items() if v_.dim() >= 3} for i in range(D)]
+            side = {k_: v_ for k_, v_ in t.items() if v_.dim() < 3}
+
+            def verify():
+                torch_kda.fused_recurrent_kda(**t, **f, initial_state=pool, ssm_state_indices=idx2,
+                                              num_accepted_tokens=nat, inplace_final_state=True,
+                                              backend="native")
+
+            def sequential():
+                for s in steps:
+                    torch_kda.fused_recurrent_kda(**s, **side, **f, initial_state=pool,
+                                                  ssm_state_indices=idx1, inplace_final_state=True,
+                                                  backend="native")
+            with torch.no_grad():
+                med = _interleaved_medians({"spec_verify": verify, "spec_sequential": sequential}, reps)
+            for name, sec in med.items():
+                rows.append(dict(row=name, B=N, H=H, K=K, threads=th, seconds=sec, drafts=D,
+                                 gbps=float("nan")))
+    finally:
+        torch.set_num_threads(old_threads)
+    return rows
+
+
+def format_serving(rows: List[dict]) -> str:
+    """Markdown tables of :func:`serving_rows` (us/call, GB/s, % of copy bandwidth, ratios)."""
+    def get(name, B, th):
+        for r in rows:
+            if r["row"] == name and r["B"] == B and r["threads"] == th:
+                return r
+        return None
+
+    lines = ["| B | thr | copy GB/s | plain K-first | plain V-first | V/K | recurrent kernel | "
+             "pool fp32 K / V | pool bf16 K / V | fp32 pool vs recurrent | bf16 vs fp32 pool | ggml (issue 13) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["B"], r["threads"]) for r in rows if r["row"] == "copy_fp32"})
+    for B, th in keys:
+        c32, c16 = get("copy_fp32", B, th), get("copy_bf16", B, th)
+
+        def cell(name, copy):
+            r = get(name, B, th)
+            return f"{r['seconds'] * 1e6:,.0f} us ({100 * r['gbps'] / copy['gbps']:.0f}%)"
+        pk, pv, rec = get("plain_k", B, th), get("plain_v", B, th), get("recurrent", B, th)
+        p32k, p32v = get("pool_fp32_k", B, th), get("pool_fp32_v", B, th)
+        p16k = get("pool_bf16_k", B, th)
+        ggml = GGML_DECODE_US.get((B, th))
+        lines.append(
+            f"| {B} | {th} | {c32['gbps']:.1f} | {cell('plain_k', c32)} | {cell('plain_v', c32)} | "
+            f"{pv['seconds'] / pk['seconds']:.2f} | {cell('recurrent', c32)} | "
+            f"{cell('pool_fp32_k', c32)} / {cell('pool_fp32_v', c32)} | "
+            f"{cell('pool_bf16_k', c16)} / {cell('pool_bf16_v', c16)} | "
+            f"{rec['seconds'] / p32k['seconds']:.2f}x | {p32k['seconds'] / p16k['seconds']:.2f}x | "
+            + (f"{ggml:,.0f} us (plain K {ggml / (pk['seconds'] * 1e6):.2f}x, V {ggml / (pv['seconds'] * 1e6):.2f}x)"
+               if ggml else "") + " |")
+    lines += ["", "| speculative verify | thr | one call (N x drafts) | drafts sequential calls | ratio |",
+              "|---|---|---|---|---|"]
+    for r in rows:
+        if r["row"] == "spec_verify":
+            s = get("spec_sequential", r["B"], r["threads"])
+            lines.append(f"| N={r['B']} x {r['drafts']} drafts | {r['threads']} | {r['seconds'] * 1e6:,.0f} us | "
+                         f"{s['seconds'] * 1e6:,.0f} us | {s['seconds'] / r['seconds']:.2f}x |")
+    return "\n".join(lines)
+
+
+def serving_main(argv: Optional[Sequence[str]] = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m torch_kda.benchmark serving",
+                                description="decode / serving rows vs the copy bandwidth")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--reps", type=int, default=40)
+    args = p.parse_args(argv)
+    load = os.getloadavg()
+    rows = serving_rows(args.batches, args.threads, reps=args.reps)
+    print(f"load average before the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+          f"after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(format_serving(rows))
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "serving":
+    serving_main(sys.argv[2:])

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ._checks import KDAInputs, check_kda_inputs, check_gate_args
+from ._checks import KDAInputs, ServingArgs, check_kda_inputs, check_gate_args
 
 __all__ = ["fused_recurrent_kda", "chunk_kda", "kda_gate", "l2norm"]
 
@@ -110,7 +110,8 @@ def _recurrent_scan(q, k, v, g, beta, S):
     for t in range(q.shape[1]):
         S = S * g[:, t].exp().unsqueeze(-1)                           # S' = Diag(a_t) S
         r = v[:, t] - torch.einsum("nhk,nhkv->nhv", k[:, t], S)        # delta-rule error
-        u = beta[:, t].unsqueeze(-1) * r
+        b = beta[:, t]                                                 # [n, HV] or head-wise [n, HV, V]
+        u = (b if b.dim() == r.dim() else b.unsqueeze(-1)) * r
         S = S + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)               # rank-1 write
         outputs.append(torch.einsum("nhk,nhkv->nhv", q[:, t], S))      # read after the write
     o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
@@ -245,3 +246,92 @@ def chunk_kda(
 def run_reference(x: KDAInputs, method: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run checked inputs through the recurrent or chunkwise reference (used by the dispatcher)."""
     return _run(x, _scan_for(method, x.chunk_size))
+
+
+# ---- serving: a state pool addressed by slot indices (docs/serving.md) ------------------------
+
+
+def _sequences(x: KDAInputs):
+    """``(batch row, first token, end token)`` of every sequence, in order."""
+    if x.cu_seqlens is None:
+        return [(b, 0, x.T) for b in range(x.B)]
+    bounds = x.seq_bounds
+    return [(0, bounds[n], bounds[n + 1]) for n in range(x.N)]
+
+
+def run_serving_reference(x: KDAInputs, s: ServingArgs, method: str = "recurrent"):
+    """The serving contract in plain PyTorch: gather each sequence's state, run it, scatter back.
+
+    For sequence ``n``: start from pool slot ``s.read_slots[n]`` (or ``initial_state[n]`` / zeros
+    without indices), run its tokens through the recurrence (``method="recurrent"``) or the chunkwise
+    form (``"chunk"``), write the state after token ``t`` to ``s.snapshot_slots[n][t]`` (2-D indices)
+    and the final state to ``s.final_slots[n]`` (in-place calls). Pad sequences output zeros and
+    write nothing. Arguments are checked by ``_checks.check_serving_inputs``.
+
+    Returns ``(o, final_state)``, plus the chunk-entry states with ``return_intermediate_states``:
+    ``o`` is ``s.out`` when given; ``final_state`` is the pool itself for in-place calls, else a fresh
+    ``[N, HV, K, V]`` state (or None without ``output_final_state``).
+    """
+    q, k, v, g, beta = _prepare(x)
+    dtype, pool = x.compute_dtype, x.initial_state
+
+    def load(slot):  # a pool slot as [1, HV, K, V] in the compute dtype
+        S = pool[slot].to(dtype, copy=True).unsqueeze(0)  # never a view: the pool is written
+        return S.transpose(-1, -2) if x.state_v_first else S
+
+    def store(slot, S):  # the pool is updated in place (the checks made this inference only)
+        with torch.no_grad():
+            pool[slot] = (S[0].transpose(-1, -2) if x.state_v_first else S[0]).to(pool.dtype)
+
+    o = v.new_zeros(v.shape)
+    finals, inter = [], []
+    for n, (b, start, end) in enumerate(_sequences(x)):
+        if s.is_pad[n]:  # pad slot: zero output, nothing read or written
+            finals.append(v.new_zeros(1, x.HV, x.K, x.V))
+            if method == "chunk" and s.return_intermediate_states:
+                inter.append(v.new_zeros(-(-(end - start) // x.chunk_size), x.HV, x.K, x.V))
+            continue
+        if s.read_slots[n] is not None:
+            S = load(s.read_slots[n])
+        elif pool is not None:
+            S = load(n)
+        else:
+            S = v.new_zeros(1, x.HV, x.K, x.V)
+        seq = [t[b:b + 1, start:end] for t in (q, k, v, g, beta)]
+        outs = []
+        if method == "chunk":  # chunk by chunk, keeping the state entering each chunk
+            for c0 in range(0, end - start, x.chunk_size):
+                inter.append(S[0])
+                o_c, S = _chunk_scan(*(t[:, c0:c0 + x.chunk_size] for t in seq), S, x.chunk_size)
+                outs.append(o_c)
+        else:  # token by token, writing the snapshot of every token that names a slot
+            for t in range(end - start):
+                o_t, S = _recurrent_scan(*(u[:, t:t + 1] for u in seq), S)
+                outs.append(o_t)
+                if s.snapshot_slots is not None and s.snapshot_slots[n][t] is not None:
+                    store(s.snapshot_slots[n][t], S)
+        if outs:
+            o[b:b + 1, start:end] = torch.cat(outs, dim=1)
+        finals.append(S)
+        if s.final_slots is not None and s.final_slots[n] is not None:
+            store(s.final_slots[n], S)
+
+    o = o.to(x.q.dtype)
+    if s.out is not None:
+        with torch.no_grad():
+            s.out.copy_(o)
+        o = s.out
+    if s.inplace_final_state:
+        final = pool
+    elif x.output_final_state:
+        S = torch.cat(finals, dim=0) if finals else v.new_zeros(0, x.HV, x.K, x.V)
+        final = (S.transpose(-1, -2) if x.state_v_first else S).contiguous()
+    else:
+        final = None
+    if method == "chunk" and s.return_intermediate_states:
+        h = torch.stack(inter) if inter else v.new_zeros(0, x.HV, x.K, x.V)
+        h = (h.transpose(-1, -2) if x.state_v_first else h).contiguous()
+        # FLA's shape: [B, NT, ...] for equal lengths, [1, NT_total, ...] with cu_seqlens
+        h = h.reshape(x.B if x.cu_seqlens is None else 1, -1, *h.shape[1:])
+        return o, final, h
+    return o, final

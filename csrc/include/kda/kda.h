@@ -40,6 +40,23 @@ struct FusedRecurrentOptions {
   bool allow_neg_eigval = false;
   // Layout of initial_state and of the returned final state: [.., V, K] instead of [.., K, V].
   bool state_v_first = false;
+
+  // ---- serving (docs/serving.md; FLA's fused_recurrent_kda_fwd names). Inference only. ----
+  // Slot indices into initial_state, which is then a state pool [num_slots, HV, K, V] (or
+  // [num_slots, HV, V, K]) of float32 or bfloat16: [N] int64/int32 (sequence n starts from slot
+  // indices[n]; in place, its final state is written there) or [N, T_max] (speculative decoding,
+  // needs inplace_final_state: starts from slot indices[n, num_accepted_tokens[n] - 1], the state
+  // after its token t is written to slot indices[n, t]).
+  std::optional<at::Tensor> ssm_state_indices;
+  std::optional<at::Tensor> num_accepted_tokens;  // [N], values in [1, T_n]; default all 1
+  // Write the final states into initial_state in place (returned as the final state); slots not
+  // named are left bitwise unchanged.
+  bool inplace_final_state = false;
+  // Preallocated o [B, T, HV, V] (q's dtype), written and returned.
+  std::optional<at::Tensor> out;
+  // An index equal to it marks a pad sequence: zero output, nothing read or written.
+  int64_t pad_slot_id = -1;
+  // beta may also be head-wise [B, T, HV, V] (serving path, forward only).
 };
 
 // Fused recurrent KDA on CPU tensors.

@@ -1,0 +1,531 @@
+// Serving / decode kernels of KDA (see serving_kernels.h). Compiled once per instruction set
+// (KDA_ISA); GCC/Clang vector extensions, one "vector" = 64 bytes (16 floats / 8 doubles).
+//
+// Per token of a unit (sequence n, value head hv, columns [c0, c1)), with a = exp(g), the
+// recurrence of docs/math.md in one read of the state S and one write:
+//   K-first S [K, V]: pass 1 reads the rows,  kS = sum_k (a k)_k S_k,  qS = sum_k (a q)_k S_k;
+//                     u = beta (v - kS);  o = qS + (q . k) u;
+//                     pass 2 re-reads the rows (from L1/L2) and writes  a_k S_k + k_k u.
+//   V-first S [V, K]: per value column c, the row S_c is contiguous: two dot products
+//                     (a k) . S_c and (a q) . S_c, then the row  a * S_c + u_c k  is written.
+// o = q^T S_new = q^T (Diag(a) S) + (q . k) u, so the output needs no third pass. Sums run in a
+// fixed order independent of the split into units: results do not depend on the thread count.
+#include "cpu/kernels/serving_kernels.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#ifndef KDA_ISA
+#error "KDA_ISA must name the instruction set this file is compiled for"
+#endif
+#define KDA_SSTR2(x) #x
+#define KDA_SSTR(x) KDA_SSTR2(x)
+
+namespace kda {
+namespace kernels {
+namespace KDA_ISA {
+namespace {
+
+// Internal linkage only, no std:: templates (see recurrent_kernels.cpp: one object per ISA).
+template <typename T>
+struct Vec;
+template <>
+struct Vec<float> {
+  typedef float type __attribute__((vector_size(64)));
+  typedef int32_t itype __attribute__((vector_size(64)));
+};
+template <>
+struct Vec<double> {
+  typedef double type __attribute__((vector_size(64)));
+  typedef int64_t itype __attribute__((vector_size(64)));
+};
+template <typename T>
+using vec = typename Vec<T>::type;
+template <typename T>
+constexpr int64_t kL = 64 / static_cast<int64_t>(sizeof(T));
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+struct bf16 {
+  uint16_t bits;
+};
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+template <typename T>
+inline vec<T> splat(T x) {
+  return x - vec<T>{};
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+// Round to nearest even; NaN stays a (quiet) NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t w;
+  std::memcpy(&w, &f, 4);
+  if (f != f) return static_cast<uint16_t>((w >> 16) | 0x40);
+  return static_cast<uint16_t>((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+}
+
+// ---- loads and stores of m (<= lanes; may be <= 0) elements, converting to/from T ---------------
+template <typename T, typename S>
+inline vec<T> vload(const S* p, int64_t m) {
+  vec<T> r{};
+  if constexpr (std::is_same<S, T>::value) {
+    if (m >= kL<T>) {
+      std::memcpy(&r, p, sizeof(r));
+    } else {
+      for (int64_t l = 0; l < m; ++l) r[l] = p[l];
+    }
+  } else if constexpr (std::is_same<S, bf16>::value && std::is_same<T, float>::value) {
+    if (m >= 16) {
+      u16x16 h;
+      std::memcpy(&h, p, sizeof(h));
+      const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+      std::memcpy(&r, &w, sizeof(r));
+    } else {
+      for (int64_t l = 0; l < m; ++l) r[l] = bf16_to_float(p[l].bits);
+    }
+  } else {
+    for (int64_t l = 0; l < m && l < kL<T>; ++l) {
+      if constexpr (std::is_same<S, bf16>::value) {
+        r[l] = static_cast<T>(bf16_to_float(p[l].bits));
+      } else {
+        r[l] = static_cast<T>(p[l]);
+      }
+    }
+  }
+  return r;
+}
+
+template <typename T, typename S>
+inline void vstore(S* p, const vec<T>& x, int64_t m) {
+  if constexpr (std::is_same<S, T>::value) {
+    if (m >= kL<T>) {
+      std::memcpy(p, &x, sizeof(x));
+    } else {
+      for (int64_t l = 0; l < m; ++l) p[l] = x[l];
+    }
+  } else if constexpr (std::is_same<S, bf16>::value && std::is_same<T, float>::value) {
+    if (m >= 16) {
+      u32x16 w;
+      std::memcpy(&w, &x, sizeof(w));
+      const u32x16 rounded = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
+      const auto is_nan = x != x;  // all ones where NaN
+      u32x16 nan;
+      std::memcpy(&nan, &is_nan, sizeof(nan));
+      const u32x16 quiet = (w >> 16) | 0x40u;
+      const u32x16 r = (quiet & nan) | (rounded & ~nan);
+      const u16x16 h = __builtin_convertvector(r, u16x16);
+      std::memcpy(p, &h, sizeof(h));
+    } else {
+      for (int64_t l = 0; l < m; ++l) p[l].bits = float_to_bf16(x[l]);
+    }
+  } else {
+    for (int64_t l = 0; l < m && l < kL<T>; ++l) {
+      if constexpr (std::is_same<S, bf16>::value) {
+        p[l].bits = float_to_bf16(static_cast<float>(x[l]));
+      } else {
+        p[l] = static_cast<S>(x[l]);
+      }
+    }
+  }
+}
+
+// Lane sum as a fixed tree (deterministic).
+template <typename T>
+inline T hsum(const vec<T>& x) {
+  T b[kL<T>];
+  std::memcpy(b, &x, sizeof(b));
+  for (int64_t w = kL<T> / 2; w >= 1; w /= 2) {
+    for (int64_t l = 0; l < w; ++l) b[l] += b[l + w];
+  }
+  return b[0];
+}
+
+// ---- elementwise math for the pre-processing (float: vectorised; double: libm per lane) --------
+// exp: Cephes-style range reduction x = n ln2 + r and a degree-6 polynomial (about 1 ulp).
+inline vec<float> vexp(vec<float> x) {
+  typedef Vec<float>::itype vi;
+  const vec<float> xc = x < -87.5f ? splat(-87.5f) : (x > 88.0f ? splat(88.0f) : x);
+  const vec<float> t = xc * 1.44269504088896341f + 0.5f;
+  vi n = __builtin_convertvector(t, vi);
+  n -= (__builtin_convertvector(n, vec<float>) > t) ? vi{} + 1 : vi{};  // floor
+  const vec<float> nf = __builtin_convertvector(n, vec<float>);
+  const vec<float> r = xc - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vec<float> p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vec<float> y = p * r * r + r + 1.0f;
+  const vi bits = (n + 127) << 23;
+  vec<float> scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  vec<float> res = y * scale;
+  res = x < -87.5f ? splat(0.0f) : res;           // full underflow, as exp does in fp32
+  res = x > 88.75f ? splat(__builtin_inff()) : res;
+  return x != x ? x : res;                          // NaN propagates
+}
+
+// log for u in [1, 2] (softplus only needs log(1 + y), y in (0, 1]): Cephes logf polynomial.
+inline vec<float> vlog_1_2(vec<float> u) {
+  typedef Vec<float>::itype vi;
+  vi bits;
+  std::memcpy(&bits, &u, sizeof(bits));
+  vi e = ((bits >> 23) & 0xff) - 126;
+  vi mb = (bits & 0x7fffff) | 0x3f000000;  // mantissa in [0.5, 1)
+  vec<float> m;
+  std::memcpy(&m, &mb, sizeof(m));
+  const auto small = m < 0.707106781186547524f;
+  e = small ? e - 1 : e;
+  vec<float> x = small ? m + m - 1.0f : m - 1.0f;
+  const vec<float> z = x * x;
+  vec<float> y = splat(7.0376836292e-2f);
+  y = y * x - 1.1514610310e-1f;
+  y = y * x + 1.1676998740e-1f;
+  y = y * x - 1.2420140846e-1f;
+  y = y * x + 1.4249322787e-1f;
+  y = y * x - 1.6668057665e-1f;
+  y = y * x + 2.0000714765e-1f;
+  y = y * x - 2.4999993993e-1f;
+  y = y * x + 3.3333331174e-1f;
+  y = y * x * z;
+  const vec<float> ef = __builtin_convertvector(e, vec<float>);
+  y += ef * -2.12194440e-4f;
+  y += z * -0.5f;
+  x = x + y;
+  return x + ef * 0.693359375f;
+}
+
+// softplus(z) = max(z, 0) + log1p(exp(-|z|)); z > 20 gives z (the reference's threshold).
+inline vec<float> vsoftplus(vec<float> z) {
+  const vec<float> az = z < 0.0f ? -z : z;
+  const vec<float> y = vexp(-az);
+  const vec<float> w = 1.0f + y;
+  // log1p(y) = log(w) - ((w - 1) - y) / w  (corrects the rounding of 1 + y)
+  const vec<float> l1p = vlog_1_2(w) - ((w - 1.0f) - y) / w;
+  const vec<float> s = (z > 0.0f ? z : splat(0.0f)) + l1p;
+  return z > 20.0f ? z : s;
+}
+
+inline vec<float> vsigmoid(vec<float> z) { return 1.0f / (1.0f + vexp(-z)); }
+
+template <typename F>
+inline vec<double> per_lane(vec<double> x, F f) {
+  for (int l = 0; l < 8; ++l) x[l] = f(x[l]);
+  return x;
+}
+inline vec<double> vexp(vec<double> x) { return per_lane(x, [](double t) { return __builtin_exp(t); }); }
+inline vec<double> vsoftplus(vec<double> x) {
+  return per_lane(x, [](double t) { return t > 20.0 ? t : __builtin_log1p(__builtin_exp(t)); });
+}
+inline vec<double> vsigmoid(vec<double> x) {
+  return per_lane(x, [](double t) { return 1.0 / (1.0 + __builtin_exp(-t)); });
+}
+
+// ---- per-token pre-processing of one (token, value head) ---------------------------------------
+template <typename T>
+struct Prep {
+  T* q;   // [K] scale * qhat * a   (reads the decayed state)
+  T* k;   // [K] khat
+  T* a;   // [K] exp(g)
+  T* ak;  // [K] a * khat
+  T qk;   // qhat . khat * scale
+  T beta; // scalar beta (unused when head-wise)
+};
+
+template <typename T>
+inline T l2_rnorm(const T* x, int64_t K) {
+  vec<T> acc{};
+  for (int64_t i = 0; i < K; i += kL<T>) {
+    const vec<T> t = vload<T, T>(x + i, K - i);
+    acc += t * t;
+  }
+  return static_cast<T>(1) / __builtin_sqrt(static_cast<double>(hsum<T>(acc)) + 1e-6);
+}
+
+template <typename T>
+void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
+  const int64_t K = A.K, h = hv / (A.HV / A.H);
+  const T* q = A.q + (tok * A.H + h) * K;
+  const T* k = A.k + (tok * A.H + h) * K;
+  const T* g = A.g + (tok * A.HV + hv) * K;
+  const T qs = A.l2norm ? l2_rnorm<T>(q, K) * A.scale : A.scale;
+  const T ks = A.l2norm ? l2_rnorm<T>(k, K) : static_cast<T>(1);
+  const T rate = A.expA ? A.expA[hv] : static_cast<T>(1);
+  vec<T> qk{};
+  for (int64_t i = 0; i < K; i += kL<T>) {
+    const int64_t m = K - i;
+    vec<T> z = vload<T, T>(g + i, m);
+    vec<T> lg;
+    if (A.gate == GateMode::kNone) {
+      lg = z;
+    } else {
+      if (A.dt_bias) z += vload<T, T>(A.dt_bias + hv * K + i, m);
+      if (A.gate == GateMode::kSoftplus) {
+        lg = -rate * vsoftplus(z);
+      } else {
+        lg = A.lower_bound * vsigmoid(rate * z);
+      }
+    }
+    const vec<T> a = vexp(lg);
+    const vec<T> qv = vload<T, T>(q + i, m) * qs;
+    const vec<T> kv = vload<T, T>(k + i, m) * ks;
+    qk += qv * kv;
+    vstore<T, T>(P.q + i, qv * a, m);
+    vstore<T, T>(P.k + i, kv, m);
+    vstore<T, T>(P.a + i, a, m);
+    vstore<T, T>(P.ak + i, a * kv, m);
+  }
+  P.qk = hsum<T>(qk);
+  if (!A.beta_headwise) {
+    T b = A.beta[tok * A.HV + hv];
+    if (A.beta_sigmoid) b = vsigmoid(splat<T>(b))[0] * A.beta_mult;
+    P.beta = b;
+  }
+}
+
+// Head-wise beta of columns [c0, c0 + w) of (tok, hv), after the optional sigmoid.
+template <typename T>
+inline vec<T> beta_cols(const ServingArgs<T>& A, int64_t tok, int64_t hv, int64_t c, int64_t m) {
+  vec<T> b = vload<T, T>(A.beta + (tok * A.HV + hv) * A.V + c, m);
+  if (A.beta_sigmoid) b = vsigmoid(b) * A.beta_mult;
+  return b;
+}
+
+// ---- one token on a K-first slice: columns [c, c + w), w <= NV * lanes --------------------------
+// src/dst point at S[0][c] with row strides sld/dld; dst == nullptr: the state is not kept.
+template <typename T, int NV, typename Src, typename Dst>
+void step_kfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, int64_t c,
+                 int64_t w, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
+  constexpr int64_t L = kL<T>;
+  const int64_t K = A.K;
+  vec<T> accK[NV], accQ[NV];
+  for (int j = 0; j < NV; ++j) accK[j] = accQ[j] = vec<T>{};
+  if (src != nullptr) {
+    for (int64_t r = 0; r < K; ++r) {
+      const vec<T> ak = splat(P.ak[r]), qa = splat(P.q[r]);
+      for (int j = 0; j < NV; ++j) {
+        const vec<T> s = vload<T, Src>(src + r * sld + j * L, w - j * L);
+        accK[j] += ak * s;
+        accQ[j] += qa * s;
+      }
+    }
+  }
+  vec<T> u[NV];
+  const int64_t ob = (tok * A.HV + hv) * A.V + c;
+  for (int j = 0; j < NV; ++j) {
+    const int64_t m = w - j * L;
+    const vec<T> b = A.beta_headwise ? beta_cols(A, tok, hv, c + j * L, m) : splat(P.beta);
+    u[j] = b * (vload<T, T>(A.v + ob + j * L, m) - accK[j]);
+    vstore<T, T>(A.o + ob + j * L, accQ[j] + P.qk * u[j], m);
+  }
+  if (dst == nullptr) return;
+  for (int64_t r = 0; r < K; ++r) {
+    const vec<T> a = splat(P.a[r]), kk = splat(P.k[r]);
+    for (int j = 0; j < NV; ++j) {
+      const vec<T> s = src != nullptr ? vload<T, Src>(src + r * sld + j * L, w - j * L) : vec<T>{};
+      vstore<T, Dst>(dst + r * dld + j * L, a * s + kk * u[j], w - j * L);
+    }
+  }
+}
+
+// ---- one token on a V-first slice: value columns [c, c + w), rows of K elements -----------------
+template <typename T, typename Src, typename Dst>
+void step_vfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, int64_t c,
+                 int64_t w, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
+  constexpr int64_t L = kL<T>;
+  const int64_t K = A.K;
+  const int64_t ob = (tok * A.HV + hv) * A.V + c;
+  for (int64_t j = 0; j < w; ++j) {
+    T dk = 0, dq = 0;
+    const Src* row = src != nullptr ? src + j * sld : nullptr;
+    if (row != nullptr) {
+      // two accumulators per dot product (even / odd vectors) halve the add latency chain
+      vec<T> k0{}, k1{}, q0{}, q1{};
+      int64_t i = 0;
+      for (; i + 2 * L <= K; i += 2 * L) {
+        const vec<T> s0 = vload<T, Src>(row + i, L), s1 = vload<T, Src>(row + i + L, L);
+        k0 += vload<T, T>(P.ak + i, L) * s0;
+        q0 += vload<T, T>(P.q + i, L) * s0;
+        k1 += vload<T, T>(P.ak + i + L, L) * s1;
+        q1 += vload<T, T>(P.q + i + L, L) * s1;
+      }
+      for (; i < K; i += L) {
+        const vec<T> s0 = vload<T, Src>(row + i, K - i);
+        k0 += vload<T, T>(P.ak + i, K - i) * s0;
+        q0 += vload<T, T>(P.q + i, K - i) * s0;
+      }
+      dk = hsum<T>(k0 + k1);
+      dq = hsum<T>(q0 + q1);
+    }
+    T b = P.beta;
+    if (A.beta_headwise) b = beta_cols(A, tok, hv, c + j, 1)[0];
+    const T u = b * (A.v[ob + j] - dk);
+    A.o[ob + j] = dq + P.qk * u;
+    if (dst == nullptr) continue;
+    const vec<T> uv = splat(u);
+    Dst* out = dst + j * dld;
+    for (int64_t i = 0; i < K; i += L) {
+      const int64_t m = K - i;
+      const vec<T> s = row != nullptr ? vload<T, Src>(row + i, m) : vec<T>{};
+      vstore<T, Dst>(out + i, vload<T, T>(P.a + i, m) * s + uv * vload<T, T>(P.k + i, m), m);
+    }
+  }
+}
+
+// Column blocks of a K-first unit: up to 8 vectors (128 floats) per pass.
+template <typename T, typename Src, typename Dst>
+void step(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, int64_t c0,
+          int64_t c1, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
+  // src/dst point at the (hv) block of a state row; offsets of column c are added here.
+  constexpr int64_t L = kL<T>;
+  if (A.v_first) {
+    step_vfirst<T, Src, Dst>(A, P, tok, hv, c0, c1 - c0, src ? src + c0 * sld : nullptr, sld,
+                             dst ? dst + c0 * dld : nullptr, dld);
+    return;
+  }
+  for (int64_t c = c0; c < c1; c += 8 * L) {
+    const int64_t w = imin(8 * L, c1 - c);
+    const Src* s = src ? src + c : nullptr;
+    Dst* d = dst ? dst + c : nullptr;
+    if (w > 4 * L) {
+      step_kfirst<T, 8, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+    } else if (w > 2 * L) {
+      step_kfirst<T, 4, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+    } else if (w > L) {
+      step_kfirst<T, 2, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+    } else {
+      step_kfirst<T, 1, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+    }
+  }
+}
+
+// Copies (converting) columns [c0, c1) of one head's state block.
+template <typename T, typename Src, typename Dst>
+void copy_block(const ServingArgs<T>& A, int64_t c0, int64_t c1, const Src* src, int64_t sld,
+                Dst* dst, int64_t dld) {
+  constexpr int64_t L = kL<T>;
+  const int64_t rows = A.v_first ? c1 - c0 : A.K;
+  const int64_t cols = A.v_first ? A.K : c1 - c0;
+  const int64_t off_s = A.v_first ? c0 * sld : c0, off_d = A.v_first ? c0 * dld : c0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < cols; i += L) {
+      const vec<T> x = src ? vload<T, Src>(src + off_s + r * sld + i, cols - i) : vec<T>{};
+      vstore<T, Dst>(dst + off_d + r * dld + i, x, cols - i);
+    }
+  }
+}
+
+template <typename T>
+struct Buffer {  // 64-byte aligned heap memory, freed on scope exit
+  explicit Buffer(int64_t n) {
+    const size_t bytes = ((static_cast<size_t>(n) * sizeof(T) + 63) / 64) * 64 + 64;
+    p = static_cast<T*>(std::aligned_alloc(64, bytes));
+    if (p == nullptr) std::abort();
+  }
+  ~Buffer() { std::free(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  T* p;
+};
+
+template <typename T, typename Src, typename Dst>
+void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int64_t c1) {
+  const int64_t K = A.K, V = A.V;
+  const int64_t head = hv * K * V;  // offset of head hv inside a state row
+  // Row strides of one head's [K, V] (or [V, K]) block.
+  const int64_t ld = A.v_first ? K : V;
+  const int64_t t0 = A.seq_start[n], t1 = A.seq_end[n], Tn = t1 - t0;
+  Src* pool = static_cast<Src*>(A.src);
+  const Src* src = A.src_row[n] >= 0 ? pool + A.src_row[n] * A.src_stride + head : nullptr;
+  Dst* dst = A.dst_row[n] >= 0 ? static_cast<Dst*>(A.dst) + A.dst_row[n] * A.dst_stride + head
+                               : nullptr;
+  auto snap_at = [&](int64_t t) -> Src* {
+    if (A.snap == nullptr) return nullptr;
+    const int64_t r = A.snap[n * A.snap_ld + t];
+    return r >= 0 ? pool + r * A.src_stride + head : nullptr;
+  };
+  if (A.pad[n]) {  // zero output; a fresh final state is zeros; the pool is not touched
+    for (int64_t t = t0; t < t1; ++t) {
+      T* o = A.o + (t * A.HV + hv) * V;
+      for (int64_t c = c0; c < c1; ++c) o[c] = 0;
+    }
+    if (dst != nullptr && A.dst != A.src) copy_block<T, Dst, Dst>(A, c0, c1, nullptr, ld, dst, ld);
+    return;
+  }
+  if (Tn == 0) {  // the state passes through
+    if (dst != nullptr && static_cast<const void*>(dst) != static_cast<const void*>(src)) {
+      copy_block<T, Src, Dst>(A, c0, c1, src, ld, dst, ld);
+    }
+    return;
+  }
+  // Pre-processed vectors of one token (q, k, a, ak), on the stack for K <= 256.
+  constexpr int64_t kStackK = 256;
+  alignas(64) T stack_buf[4 * kStackK];
+  T* pb = stack_buf;
+  Buffer<T>* heap = nullptr;
+  if (K > kStackK) {
+    heap = new Buffer<T>(4 * K);
+    pb = heap->p;
+  }
+  Prep<T> P{pb, pb + K, pb + 2 * K, pb + 3 * K, 0, 0};
+  if (Tn == 1) {  // decode: read the slice once, write it once, straight from src to its target
+    prep_token<T>(A, t0, hv, P);
+    Src* snap = snap_at(0);
+    if (snap != nullptr) {
+      step<T, Src, Src>(A, P, t0, hv, c0, c1, src, ld, snap, ld);
+    } else {
+      step<T, Src, Dst>(A, P, t0, hv, c0, c1, src, ld, dst, ld);
+    }
+  } else {  // several tokens: the slice lives in a local fp32 buffer between tokens
+    // Laid out like one head's block of a state row (only columns [c0, c1) are used), so the
+    // same column offsets address the pool and the buffer.
+    const int64_t bld = ld;
+    Buffer<T> buf(K * V);
+    T* b0 = buf.p;
+    for (int64_t t = 0; t < Tn; ++t) {
+      prep_token<T>(A, t0 + t, hv, P);
+      if (t == 0) {
+        step<T, Src, T>(A, P, t0, hv, c0, c1, src, ld, b0, bld);
+      } else {
+        step<T, T, T>(A, P, t0 + t, hv, c0, c1, b0, bld, b0, bld);
+      }
+      Src* snap = snap_at(t);
+      if (snap != nullptr) copy_block<T, T, Src>(A, c0, c1, b0, bld, snap, ld);
+    }
+    if (dst != nullptr) copy_block<T, T, Dst>(A, c0, c1, b0, bld, dst, ld);
+  }
+  delete heap;
+}
+
+template <typename T>
+void unit(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int64_t c1) {
+  // Storage types: the compute type or bf16, for the source (pool / initial state) and the
+  // destination (pool in place, or the fresh fp32 final state). The op converts anything else.
+  using W = typename std::conditional<std::is_same<T, float>::value, float, double>::type;
+  const bool s16 = A.src_type == StateType::kBF16, d16 = A.dst_type == StateType::kBF16;
+  if (s16 && d16) return unit_typed<T, bf16, bf16>(A, n, hv, c0, c1);
+  if (s16) return unit_typed<T, bf16, W>(A, n, hv, c0, c1);
+  if (d16) return unit_typed<T, W, bf16>(A, n, hv, c0, c1);
+  return unit_typed<T, W, W>(A, n, hv, c0, c1);
+}
+
+const ServingTable kServingTable = {KDA_SSTR(KDA_ISA), &unit<float>, &unit<double>};
+
+}  // namespace
+
+const ServingTable& serving() { return kServingTable; }
+
+}  // namespace KDA_ISA
+}  // namespace kernels
+}  // namespace kda

@@ -1,0 +1,190 @@
+// CPU driver of the serving / decode path: converts the inputs to contiguous compute-dtype tensors
+// (no copy when they already are), points the kernels (csrc/cpu/kernels/serving_kernels.cpp) at
+// the state tensors, and runs (sequence, value head, column group) units with at::parallel_for.
+// The state is never copied: each unit reads its slice from the source row and writes it to its
+// destination row (in place into the pool when asked).
+#include "cpu/serving.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "cpu/kernels/serving_kernels.h"
+
+namespace kda {
+namespace kernels {
+const ServingTable& serving_table() {
+  // The instruction set recurrent kernels chose (csrc/cpu/isa_dispatch.cpp): one choice per process.
+  static const ServingTable& t = []() -> const ServingTable& {
+#if defined(KDA_HAVE_X86_ISAS)
+    const char* isa = table().isa;
+    if (std::strcmp(isa, "avx512") == 0) return avx512::serving();
+    if (std::strcmp(isa, "avx2") == 0) return avx2::serving();
+#endif
+    return generic::serving();
+  }();
+  return t;
+}
+}  // namespace kernels
+
+namespace detail {
+
+namespace {
+kernels::StateType state_type(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16:
+      return kernels::StateType::kBF16;
+    case at::kDouble:
+      return kernels::StateType::kF64;
+    default:
+      return kernels::StateType::kF32;
+  }
+}
+
+// A state tensor the kernels can address directly: dtype ct or bf16, each row's [HV, *, *] block
+// contiguous. Anything else (only possible for read-only sources) is converted once.
+at::Tensor kernel_state(const at::Tensor& s, at::ScalarType ct) {
+  if (!s.defined()) return s;
+  const bool dtype_ok = s.scalar_type() == ct || s.scalar_type() == at::kBFloat16;
+  const bool inner_ok = s.stride(3) == 1 && s.stride(2) == s.size(3) &&
+                        s.stride(1) == s.size(2) * s.size(3);
+  if (dtype_ok && inner_ok) return s;
+  return s.to(dtype_ok ? s.scalar_type() : ct).contiguous();
+}
+
+template <typename T>
+T* ptr_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+}  // namespace
+
+ServingPlan plain_plan(const Inputs& in, const Dims& d) {
+  ServingPlan p;
+  const Sequences s = make_sequences(in, d);
+  p.seq_start = s.start;
+  p.seq_end = s.end;
+  p.src_row.resize(d.N);
+  p.dst_row.resize(d.N);
+  p.pad.assign(d.N, 0);
+  for (int64_t n = 0; n < d.N; ++n) {
+    p.src_row[n] = in.initial_state ? n : -1;
+    p.dst_row[n] = n;
+  }
+  return p;
+}
+
+bool is_decode_call(const Inputs& in, const Dims& d) {
+  if (d.T == 0) return false;
+  if (!d.varlen) return d.T == 1;
+  const auto cu = in.cu_seqlens->to(at::kLong).contiguous();
+  const int64_t* c = cu.data_ptr<int64_t>();
+  for (int64_t n = 0; n < d.N; ++n) {
+    if (c[n + 1] - c[n] > 1) return false;
+  }
+  return true;
+}
+
+namespace {
+template <typename T>
+void run(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& plan,
+         const at::Tensor& src, const at::Tensor& dst, const at::Tensor& o) {
+  const auto ct = o.scalar_type();
+  const at::Tensor q = in.q.to(ct).contiguous(), k = in.k.to(ct).contiguous(),
+                   v = in.v.to(ct).contiguous(), g = in.g.to(ct).contiguous(),
+                   beta = in.beta.to(ct).contiguous();
+  at::Tensor expA, bias;
+  if (cfg.use_gate_in_kernel && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
+  if (cfg.use_gate_in_kernel && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
+
+  kernels::ServingArgs<T> A;
+  A.H = d.H;
+  A.HV = d.HV;
+  A.K = d.K;
+  A.V = d.V;
+  A.v_first = cfg.state_v_first;
+  A.scale = static_cast<T>(cfg.scale);
+  A.l2norm = cfg.use_qk_l2norm_in_kernel;
+  A.gate = !cfg.use_gate_in_kernel ? kernels::GateMode::kNone
+           : cfg.lower_bound       ? kernels::GateMode::kBounded
+                                   : kernels::GateMode::kSoftplus;
+  A.lower_bound = static_cast<T>(cfg.lower_bound.value_or(0.0));
+  A.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
+  A.beta_mult = cfg.allow_neg_eigval ? 2 : 1;
+  A.beta_headwise = in.beta.dim() == 4;
+  A.q = q.data_ptr<T>();
+  A.k = k.data_ptr<T>();
+  A.v = v.data_ptr<T>();
+  A.g = g.data_ptr<T>();
+  A.beta = beta.data_ptr<T>();
+  A.expA = ptr_or_null<T>(expA);
+  A.dt_bias = ptr_or_null<T>(bias);
+  A.o = o.data_ptr<T>();
+  A.seq_start = plan.seq_start.data();
+  A.seq_end = plan.seq_end.data();
+  A.src_row = plan.src_row.data();
+  A.pad = plan.pad.data();
+  A.dst_row = plan.dst_row.data();
+  A.snap = plan.snap.empty() ? nullptr : plan.snap.data();
+  A.snap_ld = plan.snap_ld;
+  if (src.defined()) {
+    A.src = src.data_ptr();
+    A.src_type = state_type(src);
+    A.src_stride = src.stride(0);
+  }
+  if (dst.defined()) {
+    A.dst = dst.data_ptr();
+    A.dst_type = state_type(dst);
+    A.dst_stride = dst.stride(0);
+  }
+  const auto& tab = kernels::serving_table();
+  auto fn = [&]() {
+    if constexpr (std::is_same_v<T, float>) {
+      return tab.unit_f32;
+    } else {
+      return tab.unit_f64;
+    }
+  }();
+  // Units: (sequence, value head, group of 16-column blocks). With many heads one group per head
+  // (the decode shapes: B x 32 heads), so the per-token pre-processing runs once per head; with
+  // few heads the columns are split so every thread has work. Each column is computed the same
+  // way whatever the grouping, so the result does not depend on it (nor on the thread count).
+  constexpr int64_t kBlock = 16;
+  const int64_t blocks = (d.V + kBlock - 1) / kBlock;
+  const int64_t heads = std::max<int64_t>(1, d.N * d.HV);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t groups = std::max<int64_t>(1, std::min(blocks, (2 * threads + heads - 1) / heads));
+  const int64_t units = d.N * d.HV * groups;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t gi = u % groups;
+      const int64_t hv = (u / groups) % d.HV;
+      const int64_t n = u / (groups * d.HV);
+      const int64_t c0 = std::min(d.V, gi * blocks / groups * kBlock);
+      const int64_t c1 = std::min(d.V, (gi + 1) * blocks / groups * kBlock);
+      if (c1 > c0) fn(A, n, hv, c0, c1);
+    }
+  });
+}
+}  // namespace
+
+void serving_cpu(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& plan,
+                 const at::Tensor& src, const at::Tensor& dst, const at::Tensor& out) {
+  const auto ct = compute_dtype(in.q);
+  // The kernels write o in the compute dtype: straight into `out` when it is contiguous and of
+  // that dtype, else into a temporary copied over once.
+  const bool direct = out.scalar_type() == ct && out.is_contiguous();
+  at::Tensor o = direct ? out : at::empty({d.B, d.T, d.HV, d.V}, in.q.options().dtype(ct));
+  const at::Tensor s = kernel_state(src, ct);
+  if (d.B * d.T > 0 || d.N > 0) {
+    if (ct == at::kDouble) {
+      run<double>(in, cfg, d, plan, s, dst, o);
+    } else {
+      run<float>(in, cfg, d, plan, s, dst, o);
+    }
+  }
+  if (!direct) out.copy_(o);
+}
+
+}  // namespace detail
+}  // namespace kda

@@ -1,0 +1,42 @@
+// Internal interface between the op layer (csrc/ops.cpp: the serving op's checks build a plan) and
+// the serving / decode driver (csrc/cpu/serving.cpp). Not installed.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu/kda_cpu.h"
+
+namespace kda {
+namespace detail {
+
+// What every sequence reads and writes, resolved and validated by the op before anything runs.
+struct ServingPlan {
+  std::vector<int64_t> seq_start, seq_end;  // flattened token range of sequence n
+  std::vector<int64_t> src_row;             // row of the source state tensor, -1: zeros
+  std::vector<uint8_t> pad;                 // pad sequence: zero output, nothing written
+  std::vector<int64_t> dst_row;             // row of the destination tensor, -1: none
+  std::vector<int64_t> snap;                // [N, snap_ld]: pool row for the state after token t
+  int64_t snap_ld = 0;
+};
+
+// Runs the plan. `beta` of `in` may be [B, T, HV] or head-wise [B, T, HV, V]; `src` is the state
+// the sequences start from (the pool, an initial state, or undefined), `dst` receives final states
+// (the pool itself for in-place calls, a fresh [N, ...] tensor, or undefined), `out` receives o.
+// Everything was checked by the caller (ops.cpp); in-place targets are fp32 / bf16 (or fp64 with
+// fp64 inputs) with contiguous slots.
+void serving_cpu(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& plan,
+                 const at::Tensor& src, const at::Tensor& dst, const at::Tensor& out);
+
+// A plan for a plain call (no pool): sequence n starts from initial_state[n] (or zeros) and its
+// final state goes to row n of a fresh tensor.
+ServingPlan plain_plan(const Inputs& in, const Dims& d);
+
+// True when every sequence of the call has at most one token and at least one has one: the
+// decode fast path of serving_cpu is then used for a plain fused_recurrent call too.
+bool is_decode_call(const Inputs& in, const Dims& d);
+
+}  // namespace detail
+}  // namespace kda

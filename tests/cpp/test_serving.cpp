@@ -1,0 +1,172 @@
+// Serving through the public C++ API (kda::FusedRecurrentOptions' serving fields): a state pool
+// updated in place by slot index equals gathering the states, a plain call and scattering back;
+// unnamed slots are untouched; every rejected call names the argument and leaves the pool as it
+// was; speculative snapshots equal sequential decode steps.
+#include <kda/kda.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <tuple>
+
+namespace {
+
+using at::Tensor;
+
+struct Decode {
+  Tensor q, k, v, g, beta;
+  kda::FusedRecurrentOptions opts;
+};
+
+Decode make_decode(int64_t N, int64_t T, bool v_first, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const int64_t H = 2, HV = 4, K = 16, V = 24;
+  Decode d;
+  d.q = at::randn({N, T, H, K}, gen);
+  d.k = at::randn({N, T, H, K}, gen);
+  d.v = at::randn({N, T, HV, V}, gen);
+  d.g = at::randn({N, T, HV, K}, gen);
+  d.beta = at::randn({N, T, HV}, gen);
+  d.opts.use_qk_l2norm_in_kernel = true;
+  d.opts.use_gate_in_kernel = true;
+  d.opts.use_beta_sigmoid_in_kernel = true;
+  d.opts.A_log = at::randn({HV}, gen) * 0.5;
+  d.opts.dt_bias = at::randn({HV * K}, gen) * 0.5;
+  d.opts.state_v_first = v_first;
+  return d;
+}
+
+Tensor make_pool(int64_t slots, bool v_first, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return v_first ? at::randn({slots, 4, 24, 16}, gen) * 0.5 : at::randn({slots, 4, 16, 24}, gen) * 0.5;
+}
+
+double rel(const Tensor& a, const Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).norm().item<double>() /
+         b.to(at::kDouble).norm().item<double>();
+}
+
+class PoolLayouts : public ::testing::TestWithParam<bool> {};
+
+TEST_P(PoolLayouts, InPlacePoolEqualsGatherCallScatter) {
+  torch::NoGradGuard no_grad;
+  const bool v_first = GetParam();
+  Decode d = make_decode(3, 1, v_first, 1);
+  Tensor pool = make_pool(6, v_first, 2);
+  const Tensor before = pool.clone();
+  auto opts = d.opts;
+  opts.initial_state = pool;
+  opts.ssm_state_indices = at::tensor({5, -1, 2}, at::kLong);
+  opts.inplace_final_state = true;
+  auto [o, fin] = kda::fused_recurrent(d.q, d.k, d.v, d.g, d.beta, opts);
+  EXPECT_TRUE(fin.is_same(pool));
+
+  const Tensor live = at::tensor({0, 2}, at::kLong);
+  auto plain = d.opts;
+  plain.initial_state = before.index_select(0, at::tensor({5, 2}, at::kLong)).to(at::kDouble);
+  auto [o_ref, s_ref] = kda::fused_recurrent(
+      d.q.index_select(0, live).to(at::kDouble), d.k.index_select(0, live).to(at::kDouble),
+      d.v.index_select(0, live).to(at::kDouble), d.g.index_select(0, live).to(at::kDouble),
+      d.beta.index_select(0, live).to(at::kDouble), plain);
+  EXPECT_LT(rel(o.index_select(0, live), o_ref), 2e-5);
+  EXPECT_LT(rel(pool.index_select(0, at::tensor({5, 2}, at::kLong)), s_ref), 2e-5);
+  EXPECT_EQ(at::count_nonzero(o[1]).item<int64_t>(), 0);  // pad sequence: zero output
+  for (int64_t s : {0, 1, 3, 4}) EXPECT_TRUE(at::equal(pool[s], before[s]));
+}
+
+TEST_P(PoolLayouts, SnapshotsEqualSequentialDecode) {
+  torch::NoGradGuard no_grad;
+  const bool v_first = GetParam();
+  Decode d = make_decode(1, 3, v_first, 3);
+  Tensor pool = make_pool(5, v_first, 4);
+  const Tensor before = pool.clone();
+  auto opts = d.opts;
+  opts.initial_state = pool;
+  opts.ssm_state_indices = at::tensor({1, 3, 4}, at::kLong).reshape({1, 3});
+  opts.num_accepted_tokens = at::tensor({2}, at::kLong);  // starts from slot 3
+  opts.inplace_final_state = true;
+  kda::fused_recurrent(d.q, d.k, d.v, d.g, d.beta, opts);
+  Tensor S = before.narrow(0, 3, 1).clone();
+  const int64_t slots[3] = {1, 3, 4};
+  for (int64_t t = 0; t < 3; ++t) {
+    auto step = d.opts;
+    step.initial_state = S;
+    S = std::get<1>(kda::fused_recurrent(d.q.narrow(1, t, 1), d.k.narrow(1, t, 1),
+                                         d.v.narrow(1, t, 1), d.g.narrow(1, t, 1),
+                                         d.beta.narrow(1, t, 1), step));
+    EXPECT_LT(rel(pool[slots[t]], S[0]), 2e-5) << "token " << t;
+  }
+  EXPECT_TRUE(at::equal(pool[0], before[0]));
+  EXPECT_TRUE(at::equal(pool[2], before[2]));
+}
+
+INSTANTIATE_TEST_SUITE_P(Serving, PoolLayouts, ::testing::Values(false, true));
+
+void expect_rejected(const kda::FusedRecurrentOptions& opts, const Decode& d, const Tensor& pool,
+                     const std::string& needle) {
+  const Tensor before = pool.clone();
+  try {
+    torch::NoGradGuard no_grad;
+    kda::fused_recurrent(d.q, d.k, d.v, d.g, d.beta, opts);
+    ADD_FAILURE() << "expected an error containing '" << needle << "'";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(at::equal(pool, before)) << needle;
+}
+
+TEST(ServingBadInput, EveryRejectedCallNamesTheArgumentAndLeavesThePool) {
+  Decode d = make_decode(2, 2, false, 5);
+  Tensor pool = make_pool(6, false, 6);
+  auto base = d.opts;
+  base.initial_state = pool;
+  base.inplace_final_state = true;
+
+  auto o = base;
+  o.ssm_state_indices = at::tensor({0, 6}, at::kLong);
+  expect_rejected(o, d, pool, "ssm_state_indices[1] = 6 is out of range");
+  o.ssm_state_indices = at::tensor({2, 2}, at::kLong);
+  expect_rejected(o, d, pool, "two sequences write slot 2");
+  o.ssm_state_indices = at::tensor({0.0, 1.0});
+  expect_rejected(o, d, pool, "ssm_state_indices must be int64 or int32");
+  o.ssm_state_indices = at::tensor({0, 1, 2, 3}, at::kLong).reshape({2, 2});
+  o.num_accepted_tokens = at::tensor({3, 1}, at::kLong);
+  expect_rejected(o, d, pool, "num_accepted_tokens[0] must be in [1, T_n] = [1, 2], got 3");
+  o.num_accepted_tokens = at::tensor({1, 1}, at::kLong);
+  o.ssm_state_indices = at::tensor({0, 1, 1, 3}, at::kLong).reshape({2, 2});
+  expect_rejected(o, d, pool, "two sequences write slot 1");
+  o.ssm_state_indices = at::tensor({0, 1}, at::kLong).reshape({2, 1});
+  o.num_accepted_tokens.reset();
+  expect_rejected(o, d, pool, "T_max = 1");
+  auto nograd = base;
+  nograd.ssm_state_indices = at::tensor({0, 1}, at::kLong);
+  nograd.initial_state = pool.to(at::kHalf);
+  try {
+    torch::NoGradGuard no_grad;
+    kda::fused_recurrent(d.q, d.k, d.v, d.g, d.beta, nograd);
+    ADD_FAILURE() << "a float16 pool must be rejected";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("float32 or bfloat16"), std::string::npos) << e.what();
+  }
+  auto vfirst = base;
+  vfirst.ssm_state_indices = at::tensor({0, 1}, at::kLong);
+  vfirst.state_v_first = true;
+  expect_rejected(vfirst, d, pool, "[num_slots, HV, V, K]");
+  // Serving is inference only.
+  auto grad = base;
+  grad.ssm_state_indices = at::tensor({0, 1}, at::kLong);
+  const Tensor before = pool.clone();
+  Tensor q = d.q.clone().requires_grad_(true);
+  try {
+    kda::fused_recurrent(q, d.k, d.v, d.g, d.beta, grad);
+    ADD_FAILURE() << "in-place serving with a tensor requiring grad must be rejected";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("inference only"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(at::equal(pool, before));
+}
+
+}  // namespace

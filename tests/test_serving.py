@@ -1,0 +1,331 @@
+"""Serving arguments (docs/serving.md): a state pool updated in place by slot index, pad slots,
+speculative decoding with per-token snapshots, prefill into the pool, the decode fast path.
+
+Every backend on CPU ("native" and "reference") is compared against the float64 oracle applied to
+the gathered states, and against plain calls.
+"""
+
+import pytest
+import torch
+
+import torch_kda
+from kda_testing import make_problem, rel_err
+from oracle import oracle_kda
+
+BACKENDS = ("native", "reference")
+TOL = 2e-5  # fp32 arithmetic vs the float64 oracle
+
+
+def _pool(num_slots, HV, K, V, v_first, dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_slots, HV, V, K) if v_first else (num_slots, HV, K, V)
+    return (torch.randn(*shape, generator=gen) * 0.5).to(dtype)
+
+
+def _decode_problem(N, HV=4, H=2, K=16, V=24, seed=0, seqlens=None):
+    p = make_problem(B=N, T=1, H=H, HV=HV, K=K, V=V, seed=seed, initial_state=False,
+                     seqlens=seqlens, output_final_state=False).to(torch.float32)
+    p.kwargs.pop("state_v_first")
+    return p
+
+
+def _oracle_from(p, state, v_first, sel=None):
+    """The oracle on the sequences ``sel`` (batch rows) started from ``state``."""
+    args = [t if sel is None else t[sel] for t in p.args]
+    kw = {k: v for k, v in p.kwargs.items() if k not in ("initial_state", "output_final_state",
+                                                           "state_v_first")}
+    return oracle_kda(*args, initial_state=state.double(), output_final_state=True,
+                      state_v_first=v_first, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("v_first", [False, True])
+def test_pool_1d_indices_equal_gather_call_scatter(backend, v_first):
+    p = _decode_problem(N=4)
+    HV, K, V = 4, 16, 24
+    pool = _pool(9, HV, K, V, v_first)
+    before = pool.clone()
+    idx = torch.tensor([7, -1, 0, 3], dtype=torch.int32)
+    with torch.no_grad():
+        o, final = torch_kda.fused_recurrent_kda(*p.args, **{**p.kwargs, "state_v_first": v_first},
+                                                 initial_state=pool, ssm_state_indices=idx,
+                                                 inplace_final_state=True, backend=backend)
+    assert final is pool
+    live = [0, 2, 3]
+    o_ref, s_ref = _oracle_from(p, before[[7, 0, 3]], v_first, sel=live)
+    assert rel_err(o[live], o_ref) < TOL
+    assert rel_err(pool[[7, 0, 3]], s_ref) < TOL
+    assert torch.count_nonzero(o[1]) == 0                                    # pad: zero output
+    untouched = [s for s in range(9) if s not in (7, 0, 3)]
+    assert torch.equal(pool[untouched], before[untouched])                   # bitwise unchanged
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pool_read_only_returns_fresh_states_and_leaves_pool(backend):
+    p = _decode_problem(N=3, seqlens=[2, 1, 3])  # varlen, several tokens per sequence
+    pool = _pool(5, 4, 16, 24, False)
+    before = pool.clone()
+    idx = torch.tensor([4, 1, 2])
+    o, final = torch_kda.fused_recurrent_kda(*p.args, **{**p.kwargs, "output_final_state": True},
+                                             initial_state=pool, ssm_state_indices=idx,
+                                             backend=backend)
+    o_ref, s_ref = oracle_kda(*p.args, **{**p.kwargs, "initial_state": before[[4, 1, 2]].double(),
+                                          "output_final_state": True})
+    assert rel_err(o, o_ref) < TOL and rel_err(final, s_ref) < TOL
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+def test_bf16_pool_within_bf16_rounding_of_fp32_pool(v_first):
+    p = _decode_problem(N=3, K=32, V=32)
+    pool32 = _pool(4, 4, 32, 32, v_first).bfloat16().float()  # same starting values
+    pool16 = pool32.bfloat16()
+    idx = torch.tensor([2, 0, 3])
+    kw = {**p.kwargs, "state_v_first": v_first}
+    with torch.no_grad():
+        o32, _ = torch_kda.fused_recurrent_kda(*p.args, **kw, initial_state=pool32,
+                                               ssm_state_indices=idx, inplace_final_state=True)
+        o16, _ = torch_kda.fused_recurrent_kda(*p.args, **kw, initial_state=pool16,
+                                               ssm_state_indices=idx, inplace_final_state=True)
+    assert rel_err(o16, o32) < 1e-6                        # same starting state, fp32 math
+    assert rel_err(pool16.float(), pool32) < 2 ** -8       # one bf16 rounding of the result
+    assert torch.equal(pool16[1], pool32[1].bfloat16())    # unnamed slot untouched
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("v_first", [False, True])
+def test_speculative_snapshots_equal_sequential_decode(backend, v_first):
+    N, T, HV, K, V = 2, 4, 4, 16, 24
+    p = make_problem(B=N, T=T, H=2, HV=HV, K=K, V=V, seed=3, initial_state=False,
+                     output_final_state=False).to(torch.float32)
+    kw = {**p.kwargs, "state_v_first": v_first}
+    pool = _pool(12, HV, K, V, v_first)
+    before = pool.clone()
+    idx = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    nat = torch.tensor([3, 1])  # sequence 0 resumes from slot 2, sequence 1 from slot 4
+    with torch.no_grad():
+        o, _ = torch_kda.fused_recurrent_kda(*p.args, **kw, initial_state=pool, ssm_state_indices=idx,
+                                             num_accepted_tokens=nat, inplace_final_state=True,
+                                             backend=backend)
+    o_ref, _ = _oracle_from(p, before[[2, 4]], v_first)
+    assert rel_err(o, o_ref) < TOL
+    for t in range(T):  # snapshot t == the state after token t of a sequential decode
+        prefix = [x[:, :t + 1] for x in p.args]
+        _, s_t = oracle_kda(*prefix, **{**kw, "initial_state": before[[2, 4]].double(),
+                                        "output_final_state": True})
+        assert rel_err(pool[idx[:, t]], s_t) < TOL
+    assert torch.equal(pool[8:], before[8:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verify_then_continue_equals_decoding_accepted_tokens(backend):
+    """Verify 3 drafts in one call, accept 2, continue: equals decoding the accepted tokens."""
+    HV, K, V = 2, 16, 16
+    p = make_problem(B=1, T=4, H=2, HV=HV, K=K, V=V, seed=5, initial_state=False,
+                     output_final_state=False).to(torch.float32)
+    kw = {**p.kwargs}
+    kw.pop("output_final_state")
+    pool = _pool(8, HV, K, V, False)
+    start = pool[5].clone()
+    with torch.no_grad():
+        # step 1: verify tokens 0..2 from slot 5 (num_accepted_tokens = 1 reads column 0 = slot 5)
+        torch_kda.fused_recurrent_kda(*[x[:, :3] for x in p.args], **kw, initial_state=pool,
+                                      ssm_state_indices=torch.tensor([[5, 6, 7]]),
+                                      num_accepted_tokens=torch.tensor([1]),
+                                      inplace_final_state=True, backend=backend)
+        # 2 accepted: the state after token 1 is in slot 6; step 2 decodes token 3 from there
+        o3, _ = torch_kda.fused_recurrent_kda(*[x[:, 3:4] for x in p.args], **kw, initial_state=pool,
+                                              ssm_state_indices=torch.tensor([[6]]),
+                                              inplace_final_state=True, backend=backend)
+        # the same accepted tokens (0, 1, then 3) one at a time, plain calls
+        S = start.unsqueeze(0)
+        for t in (0, 1, 3):
+            o_t, S = torch_kda.fused_recurrent_kda(*[x[:, t:t + 1] for x in p.args], **kw,
+                                                   initial_state=S, output_final_state=True,
+                                                   backend=backend)
+    assert rel_err(o3, o_t) < TOL
+    assert rel_err(pool[6], S[0]) < TOL
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_prefill_and_decode_in_one_chunk_call_equal_separate_calls(backend):
+    HV, K, V = 2, 16, 16
+    lens = [37, 1, 20, 1]
+    p = make_problem(H=2, HV=HV, K=K, V=V, seed=7, initial_state=False, seqlens=lens,
+                     output_final_state=False).to(torch.float32)
+    pool = _pool(6, HV, K, V, False)
+    before = pool.clone()
+    idx = torch.tensor([3, 0, 5, 1])
+    with torch.no_grad():
+        o, _, h = torch_kda.chunk_kda(*p.args, **p.kwargs, initial_state=pool, ssm_state_indices=idx,
+                                      inplace_final_state=True, return_intermediate_states=True,
+                                      chunk_size=16, backend=backend)
+        o2, _ = torch_kda.chunk_kda(*p.args, **p.kwargs, initial_state=before.clone(),
+                                    ssm_state_indices=idx, inplace_final_state=False,
+                                    backend=backend)
+    cu = p.kwargs["cu_seqlens"].tolist()
+    chunk = 0
+    for n, slot in enumerate(idx.tolist()):
+        seq = [x[:, cu[n]:cu[n + 1]] for x in p.args]
+        kw = {k: v for k, v in p.kwargs.items() if k != "cu_seqlens"}
+        o_ref, s_ref = oracle_kda(*seq, **{**kw, "initial_state": before[slot:slot + 1].double(),
+                                           "output_final_state": True})
+        assert rel_err(o[:, cu[n]:cu[n + 1]], o_ref) < TOL
+        assert rel_err(pool[slot], s_ref[0]) < TOL
+        for c in range(-(-lens[n] // 16)):  # entry c = state after c * 16 tokens (a split prefill)
+            if c == 0:
+                expect = before[slot].double()
+            else:
+                _, s_c = oracle_kda(*[x[:, :16 * c] for x in seq],
+                                    **{**kw, "initial_state": before[slot:slot + 1].double(),
+                                       "output_final_state": True})
+                expect = s_c[0]
+            assert rel_err(h[0, chunk], expect) < TOL
+            chunk += 1
+    assert h.shape == (1, chunk, HV, K, V)
+    assert rel_err(o2, o) < TOL
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+def test_plain_decode_matches_oracle_in_both_layouts(v_first):
+    p = make_problem(B=3, T=1, H=2, HV=4, K=32, V=40, seed=11, state_v_first=v_first
+                     ).to(torch.float32)
+    with torch.no_grad():
+        o, s = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="native")
+    o_ref, s_ref = oracle_kda(*p.args, **p.kwargs)
+    assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+    assert s.shape == p.kwargs["initial_state"].shape
+
+
+@pytest.mark.parametrize("gate", ["none", "bounded"])
+def test_native_serving_bitwise_identical_for_any_thread_count(gate):
+    p = make_problem(B=5, T=1, H=2, HV=4, K=32, V=48, seed=13, gate=gate, initial_state=False,
+                     output_final_state=False).to(torch.float32)
+    p.kwargs.pop("state_v_first")
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            pool = _pool(6, 4, 32, 48, True)
+            with torch.no_grad():
+                o, _ = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, state_v_first=True,
+                                                     initial_state=pool, inplace_final_state=True,
+                                                     ssm_state_indices=torch.tensor([5, 0, 2, 1, 4]),
+                                                     backend="native")
+            results.append((o, pool))
+    finally:
+        torch.set_num_threads(old)
+    for o, pool in results[1:]:
+        assert torch.equal(o, results[0][0]) and torch.equal(pool, results[0][1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_headwise_beta_with_equal_columns_equals_scalar_beta(backend):
+    p = _decode_problem(N=2, seqlens=[3, 2])
+    beta4 = p.beta.unsqueeze(-1).expand(*p.beta.shape, 24).contiguous()
+    kw = {**p.kwargs, "output_final_state": True}
+    o1, s1 = torch_kda.fused_recurrent_kda(*p.args, **kw, backend="reference")
+    with torch.no_grad():
+        o2, s2 = torch_kda.fused_recurrent_kda(p.q, p.k, p.v, p.g, beta4, **kw, backend=backend)
+    assert rel_err(o2, o1) < TOL and rel_err(s2, s1) < TOL
+
+
+def test_headwise_beta_native_matches_reference():
+    p = _decode_problem(N=2, seqlens=[3, 2])
+    gen = torch.Generator().manual_seed(2)
+    beta4 = torch.randn(*p.beta.shape, 24, generator=gen)
+    args = (p.q, p.k, p.v, p.g, beta4)
+    kw = {**p.kwargs, "output_final_state": True}
+    o_ref, s_ref = torch_kda.fused_recurrent_kda(*[a.double() for a in args], **kw,
+                                                 backend="reference")
+    with torch.no_grad():
+        o, s = torch_kda.fused_recurrent_kda(*args, **kw, backend="native")
+    assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_is_written_and_returned(backend):
+    p = _decode_problem(N=2)
+    out = torch.full((2, 1, 4, 24), float("nan"))
+    with torch.no_grad():
+        o, _ = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, out=out, backend=backend)
+    o_ref, _ = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="reference")
+    assert o is out and rel_err(out, o_ref) < TOL
+
+
+# ---- bad input: named errors, and the pool is unchanged ---------------------------------------
+
+def _bad_calls():
+    p = _decode_problem(N=2)
+    idx2d = torch.tensor([[0, 1], [2, 3]])
+    spec = make_problem(B=2, T=2, H=2, HV=4, K=16, V=24, seed=0, initial_state=False,
+                        output_final_state=False).to(torch.float32)
+    return [
+        ("out of range", p, dict(ssm_state_indices=torch.tensor([0, 9])), ValueError, "out of range"),
+        ("negative index", p, dict(ssm_state_indices=torch.tensor([0, -3])), ValueError, "out of range"),
+        ("duplicate slot", p, dict(ssm_state_indices=torch.tensor([4, 4])), ValueError, "two sequences write slot 4"),
+        ("float indices", p, dict(ssm_state_indices=torch.tensor([0.0, 1.0])), TypeError, "ssm_state_indices"),
+        ("wrong N", p, dict(ssm_state_indices=torch.tensor([0, 1, 2])), ValueError, "ssm_state_indices"),
+        ("nat without 2-D", p, dict(ssm_state_indices=torch.tensor([0, 1]), num_accepted_tokens=torch.tensor([1, 1])),
+         ValueError, "num_accepted_tokens"),
+        ("nat zero", spec, dict(ssm_state_indices=idx2d, num_accepted_tokens=torch.tensor([0, 1])), ValueError,
+         r"num_accepted_tokens\[0\] must be in \[1, T_n\]"),
+        ("nat too large", spec, dict(ssm_state_indices=idx2d, num_accepted_tokens=torch.tensor([1, 3])),
+         ValueError, r"num_accepted_tokens\[1\]"),
+        ("read slot written by another", spec, dict(ssm_state_indices=torch.tensor([[0, 1], [1, 3]]),
+                                                   num_accepted_tokens=torch.tensor([1, 1])),
+         ValueError, "slot 1"),
+        ("T_n > T_max", spec, dict(ssm_state_indices=torch.tensor([[0], [2]])), ValueError, "T_max"),
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", range(10))
+def test_bad_serving_input_raises_named_error_and_leaves_pool(backend, case):
+    name, p, extra, exc, match = _bad_calls()[case]
+    pool = _pool(8, 4, 16, 24, False)
+    before = pool.clone()
+    with torch.no_grad(), pytest.raises(exc, match=match):
+        torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, initial_state=pool,
+                                      inplace_final_state=True, backend=backend, **extra)
+    assert torch.equal(pool, before), name
+
+
+def test_pool_layout_and_dtype_mismatch_raise():
+    p = _decode_problem(N=2)
+    idx = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"state pool.*\[num_slots, HV, V, K\]"):
+        torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, initial_state=_pool(3, 4, 16, 24, False),
+                                      ssm_state_indices=idx, state_v_first=True, inplace_final_state=True)
+    with pytest.raises(TypeError, match="float32 or bfloat16|float32', 'torch.bfloat16"):
+        torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, initial_state=_pool(3, 4, 16, 24, False).half(),
+                                      ssm_state_indices=idx, inplace_final_state=True)
+    with pytest.raises(ValueError, match="need inplace_final_state=True"):
+        torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, initial_state=_pool(3, 4, 16, 24, False),
+                                      ssm_state_indices=torch.tensor([[0], [1]]))
+
+
+def test_inplace_serving_on_tensors_requiring_grad_is_rejected():
+    p = _decode_problem(N=2)
+    pool = _pool(3, 4, 16, 24, False)
+    before = pool.clone()
+    q = p.q.clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="inference only.*q requires grad"):
+        torch_kda.fused_recurrent_kda(q, *p.args[1:], **p.kwargs, initial_state=pool,
+                                      ssm_state_indices=torch.tensor([0, 2]), inplace_final_state=True)
+    assert torch.equal(pool, before)
+
+
+def test_cpp_op_rejects_duplicate_slots_before_writing():
+    p = _decode_problem(N=2)
+    pool = _pool(4, 4, 16, 24, False)
+    before = pool.clone()
+    out = torch.empty(2, 1, 4, 24)
+    with torch.no_grad(), pytest.raises(ValueError, match="two sequences write slot 3"):
+        torch.ops.kda.fused_recurrent_serving(p.q, p.k, p.v, p.g, p.beta, 0.25, pool,
+                                              torch.tensor([3, 3]), None, out, None, -1, True)
+    with torch.no_grad(), pytest.raises(ValueError, match="out of range"):
+        torch.ops.kda.fused_recurrent_serving(p.q, p.k, p.v, p.g, p.beta, 0.25, pool,
+                                              torch.tensor([1, 4]), None, out, None, -1, True)
+    assert torch.equal(pool, before)

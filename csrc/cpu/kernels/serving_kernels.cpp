@@ -1,5 +1,6 @@
 // Serving / decode kernels of KDA (see serving_kernels.h). Compiled once per instruction set
-// (KDA_ISA); GCC/Clang vector extensions, one "vector" = 64 bytes (16 floats / 8 doubles).
+// (KDA_ISA); GCC/Clang vector extensions of the register width (KDA_SRV_VEC_BYTES: 64 bytes with
+// AVX-512, 32 with AVX2, where wider vectors would spill through the stack).
 //
 // Per token of a unit (sequence n, value head hv, columns [c0, c1)), with a = exp(g), the
 // recurrence of docs/math.md in one read of the state S and one write:
@@ -19,6 +20,17 @@
 #ifndef KDA_ISA
 #error "KDA_ISA must name the instruction set this file is compiled for"
 #endif
+
+#if defined(__AVX512F__)
+#define KDA_SRV_VEC_BYTES 64
+constexpr int kMaxNV = 8;  // K-first pass: 2 x 8 zmm accumulators (128 fp32 columns)
+#elif defined(__AVX2__)
+#define KDA_SRV_VEC_BYTES 32
+constexpr int kMaxNV = 4;  // 16 ymm registers: 2 x 4 accumulators (32 fp32 columns) + operands
+#else
+#define KDA_SRV_VEC_BYTES 16
+constexpr int kMaxNV = 4;
+#endif
 #define KDA_SSTR2(x) #x
 #define KDA_SSTR(x) KDA_SSTR2(x)
 
@@ -32,21 +44,22 @@ template <typename T>
 struct Vec;
 template <>
 struct Vec<float> {
-  typedef float type __attribute__((vector_size(64)));
-  typedef int32_t itype __attribute__((vector_size(64)));
+  typedef float type __attribute__((vector_size(KDA_SRV_VEC_BYTES)));
+  typedef int32_t itype __attribute__((vector_size(KDA_SRV_VEC_BYTES)));
 };
 template <>
 struct Vec<double> {
-  typedef double type __attribute__((vector_size(64)));
-  typedef int64_t itype __attribute__((vector_size(64)));
+  typedef double type __attribute__((vector_size(KDA_SRV_VEC_BYTES)));
+  typedef int64_t itype __attribute__((vector_size(KDA_SRV_VEC_BYTES)));
 };
 template <typename T>
 using vec = typename Vec<T>::type;
 template <typename T>
-constexpr int64_t kL = 64 / static_cast<int64_t>(sizeof(T));
+constexpr int64_t kL = KDA_SRV_VEC_BYTES / static_cast<int64_t>(sizeof(T));
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+// bf16 <-> fp32 lanes of one float vector.
+typedef uint16_t u16x16 __attribute__((vector_size(KDA_SRV_VEC_BYTES / 2)));
+typedef uint32_t u32x16 __attribute__((vector_size(KDA_SRV_VEC_BYTES)));
 
 struct bf16 {
   uint16_t bits;
@@ -85,7 +98,7 @@ inline vec<T> vload(const S* p, int64_t m) {
       for (int64_t l = 0; l < m; ++l) r[l] = p[l];
     }
   } else if constexpr (std::is_same<S, bf16>::value && std::is_same<T, float>::value) {
-    if (m >= 16) {
+    if (m >= kL<float>) {
       u16x16 h;
       std::memcpy(&h, p, sizeof(h));
       const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
@@ -114,7 +127,7 @@ inline void vstore(S* p, const vec<T>& x, int64_t m) {
       for (int64_t l = 0; l < m; ++l) p[l] = x[l];
     }
   } else if constexpr (std::is_same<S, bf16>::value && std::is_same<T, float>::value) {
-    if (m >= 16) {
+    if (m >= kL<float>) {
       u32x16 w;
       std::memcpy(&w, &x, sizeof(w));
       const u32x16 rounded = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
@@ -221,7 +234,7 @@ inline vec<float> vsigmoid(vec<float> z) { return 1.0f / (1.0f + vexp(-z)); }
 
 template <typename F>
 inline vec<double> per_lane(vec<double> x, F f) {
-  for (int l = 0; l < 8; ++l) x[l] = f(x[l]);
+  for (int64_t l = 0; l < kL<double>; ++l) x[l] = f(x[l]);
   return x;
 }
 inline vec<double> vexp(vec<double> x) { return per_lane(x, [](double t) { return __builtin_exp(t); }); }
@@ -303,19 +316,24 @@ inline vec<T> beta_cols(const ServingArgs<T>& A, int64_t tok, int64_t hv, int64_
 }
 
 // ---- one token on a K-first slice: columns [c, c + w), w <= NV * lanes --------------------------
-// src/dst point at S[0][c] with row strides sld/dld; dst == nullptr: the state is not kept.
-template <typename T, int NV, typename Src, typename Dst>
+// src/dst point at S[0][c] with row strides sld/dld; src == nullptr: a zero state; dst == nullptr:
+// the state is not kept. Full: w == NV * lanes, so every load is one full vector (the hot path:
+// the accumulators then stay in registers; the partial path is only for a ragged last slice).
+template <typename T, int NV, bool Full, typename Src, typename Dst>
 void step_kfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, int64_t c,
                  int64_t w, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
   constexpr int64_t L = kL<T>;
   const int64_t K = A.K;
+  auto cnt = [&](int j) -> int64_t { return Full ? L : w - j * L; };
   vec<T> accK[NV], accQ[NV];
   for (int j = 0; j < NV; ++j) accK[j] = accQ[j] = vec<T>{};
   if (src != nullptr) {
     for (int64_t r = 0; r < K; ++r) {
       const vec<T> ak = splat(P.ak[r]), qa = splat(P.q[r]);
+      const Src* row = src + r * sld;
+#pragma GCC unroll 8
       for (int j = 0; j < NV; ++j) {
-        const vec<T> s = vload<T, Src>(src + r * sld + j * L, w - j * L);
+        const vec<T> s = vload<T, Src>(row + j * L, cnt(j));
         accK[j] += ak * s;
         accQ[j] += qa * s;
       }
@@ -324,17 +342,27 @@ void step_kfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t
   vec<T> u[NV];
   const int64_t ob = (tok * A.HV + hv) * A.V + c;
   for (int j = 0; j < NV; ++j) {
-    const int64_t m = w - j * L;
+    const int64_t m = cnt(j);
     const vec<T> b = A.beta_headwise ? beta_cols(A, tok, hv, c + j * L, m) : splat(P.beta);
     u[j] = b * (vload<T, T>(A.v + ob + j * L, m) - accK[j]);
     vstore<T, T>(A.o + ob + j * L, accQ[j] + P.qk * u[j], m);
   }
   if (dst == nullptr) return;
+  if (src == nullptr) {
+    for (int64_t r = 0; r < K; ++r) {
+      const vec<T> kk = splat(P.k[r]);
+      for (int j = 0; j < NV; ++j) vstore<T, Dst>(dst + r * dld + j * L, kk * u[j], cnt(j));
+    }
+    return;
+  }
   for (int64_t r = 0; r < K; ++r) {
     const vec<T> a = splat(P.a[r]), kk = splat(P.k[r]);
+    const Src* row = src + r * sld;
+    Dst* out = dst + r * dld;
+#pragma GCC unroll 8
     for (int j = 0; j < NV; ++j) {
-      const vec<T> s = src != nullptr ? vload<T, Src>(src + r * sld + j * L, w - j * L) : vec<T>{};
-      vstore<T, Dst>(dst + r * dld + j * L, a * s + kk * u[j], w - j * L);
+      const vec<T> s = vload<T, Src>(row + j * L, cnt(j));
+      vstore<T, Dst>(out + j * L, a * s + kk * u[j], cnt(j));
     }
   }
 }
@@ -383,7 +411,8 @@ void step_vfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t
   }
 }
 
-// Column blocks of a K-first unit: up to 8 vectors (128 floats) per pass.
+// Column blocks of a K-first unit: up to kMaxNV vectors per pass (all the unit's columns at
+// K = V = 128 with AVX-512: one sequential sweep over the rows).
 template <typename T, typename Src, typename Dst>
 void step(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, int64_t c0,
           int64_t c1, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
@@ -394,18 +423,22 @@ void step(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, in
                              dst ? dst + c0 * dld : nullptr, dld);
     return;
   }
-  for (int64_t c = c0; c < c1; c += 8 * L) {
-    const int64_t w = imin(8 * L, c1 - c);
+  for (int64_t c = c0; c < c1; c += kMaxNV * L) {
+    const int64_t w = imin(kMaxNV * L, c1 - c);
     const Src* s = src ? src + c : nullptr;
     Dst* d = dst ? dst + c : nullptr;
-    if (w > 4 * L) {
-      step_kfirst<T, 8, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+    if (w == kMaxNV * L) {
+      step_kfirst<T, kMaxNV, true, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+    } else if (kMaxNV > 4 && w == 4 * L) {
+      step_kfirst<T, (kMaxNV > 4 ? 4 : 2), true, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+    } else if (w == 2 * L) {
+      step_kfirst<T, 2, true, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+    } else if (w == L) {
+      step_kfirst<T, 1, true, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
     } else if (w > 2 * L) {
-      step_kfirst<T, 4, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
-    } else if (w > L) {
-      step_kfirst<T, 2, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+      step_kfirst<T, kMaxNV, false, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
     } else {
-      step_kfirst<T, 1, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+      step_kfirst<T, 2, false, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
     }
   }
 }

@@ -17,6 +17,10 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #ifndef KDA_ISA
 #error "KDA_ISA must name the instruction set this file is compiled for"
 #endif
@@ -87,6 +91,31 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 bf16 <-> fp32 of 8 lanes with intrinsics: the generic vector code costs about twice the
+// instructions (GCC splits the widening load and masks before packing), and a bf16 pool is
+// compute-bound on these conversions.
+inline vec<float> bf16x8_load(const bf16* p) {
+  const __m256i w = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return reinterpret_cast<vec<float>>(_mm256_castsi256_ps(w));
+}
+inline void bf16x8_store(bf16* p, vec<float> x) {
+  const __m256 f = reinterpret_cast<__m256>(x);
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i hi = _mm256_srli_epi32(u, 16);
+  const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  const __m256i r = _mm256_blendv_epi8(rounded, quiet, is_nan);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+#define KDA_SRV_BF16_INTRINSICS 1
+#endif
+
 // ---- loads and stores of m (<= lanes; may be <= 0) elements, converting to/from T ---------------
 template <typename T, typename S>
 inline vec<T> vload(const S* p, int64_t m) {
@@ -99,6 +128,9 @@ inline vec<T> vload(const S* p, int64_t m) {
     }
   } else if constexpr (std::is_same<S, bf16>::value && std::is_same<T, float>::value) {
     if (m >= kL<float>) {
+#if defined(KDA_SRV_BF16_INTRINSICS)
+      return bf16x8_load(p);
+#endif
       u16x16 h;
       std::memcpy(&h, p, sizeof(h));
       const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
@@ -128,6 +160,10 @@ inline void vstore(S* p, const vec<T>& x, int64_t m) {
     }
   } else if constexpr (std::is_same<S, bf16>::value && std::is_same<T, float>::value) {
     if (m >= kL<float>) {
+#if defined(KDA_SRV_BF16_INTRINSICS)
+      bf16x8_store(p, x);
+      return;
+#endif
       u32x16 w;
       std::memcpy(&w, &x, sizeof(w));
       const u32x16 rounded = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;

@@ -13,6 +13,7 @@
 // fixed order independent of the split into units: results do not depend on the thread count.
 #include "cpu/kernels/serving_kernels.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -495,6 +496,33 @@ void copy_block(const ServingArgs<T>& A, int64_t c0, int64_t c1, const Src* src,
   }
 }
 
+// Snapshot writes of a multi-token unit (the state after each token, copied from the unit's
+// fp32 buffer to a pool slot that is not read again in this call): non-temporal stores where the
+// row is vector-aligned, so the write does not first read the destination lines (no
+// read-for-ownership: a verify call then moves about the bytes of its sequential decode calls'
+// writes, without their reads). Falls back to plain stores otherwise.
+template <typename T, typename S>
+inline bool stream_row(S* dst, const T* src, int64_t n) {
+#if defined(__AVX2__)
+  if constexpr (std::is_same<T, float>::value && std::is_same<S, float>::value) {
+    constexpr int64_t L = kL<float>;
+    if (n % L != 0 || reinterpret_cast<uintptr_t>(dst) % KDA_SRV_VEC_BYTES != 0) return false;
+    for (int64_t i = 0; i < n; i += L) {
+#if defined(__AVX512F__)
+      _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+#else
+      _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    }
+    return true;
+  }
+#endif
+  (void)dst;
+  (void)src;
+  (void)n;
+  return false;
+}
+
 template <typename T>
 struct Buffer {  // 64-byte aligned heap memory, freed on scope exit
   explicit Buffer(int64_t n) {
@@ -570,9 +598,21 @@ void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int6
         step<T, T, T>(A, P, t0 + t, hv, c0, c1, b0, bld, b0, bld);
       }
       Src* snap = snap_at(t);
-      if (snap != nullptr) copy_block<T, T, Src>(A, c0, c1, b0, bld, snap, ld);
+      if (snap != nullptr) {
+        // rows of the head block: K rows of columns [c0, c1) (K-first) or rows c0..c1 of K
+        const int64_t rows = A.v_first ? c1 - c0 : K, cols = A.v_first ? K : c1 - c0;
+        const int64_t off = A.v_first ? c0 * ld : c0;
+        bool streamed = true;
+        for (int64_t r = 0; r < rows && streamed; ++r) {
+          streamed = stream_row<T, Src>(snap + off + r * ld, b0 + off + r * bld, cols);
+        }
+        if (!streamed) copy_block<T, T, Src>(A, c0, c1, b0, bld, snap, ld);
+      }
     }
     if (dst != nullptr) copy_block<T, T, Dst>(A, c0, c1, b0, bld, dst, ld);
+#if defined(__AVX2__)
+    _mm_sfence();  // order the non-temporal snapshot stores before the call returns
+#endif
   }
   delete heap;
 }

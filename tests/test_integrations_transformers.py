@@ -158,3 +158,7 @@ def test_hf_command_compares_both_paths_saves_and_reloads(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["hf", "--model", str(tmp_path / "missing")])
     assert exc.value.code == 2
+    # --bench: the same measurements plus a training step and the KDA calls' time inside the model
+    assert main(["hf", "--bench", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "| prefill (s)" in out and "| decode (ms/token)" in out and "| train (s)" in out

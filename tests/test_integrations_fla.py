@@ -149,3 +149,59 @@ def test_register_is_idempotent():
     assert kda_fla.is_registered()
     ops = fla.backends._operation_registries["kda"]
     assert sum(b.backend_type == kda_fla.BACKEND_TYPE for b in ops._backends.values()) == 1
+
+
+def _decode_problem(seed):
+    gen = torch.Generator().manual_seed(seed)
+    N, T, H, K, V = 3, 1, 2, 16, 8
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v = rnd(N, T, H, K), rnd(N, T, H, K), rnd(N, T, H, V)
+    g, beta = -torch.rand(N, T, H, K, generator=gen) - 0.05, torch.rand(N, T, H, generator=gen)
+    return q, k, v, g, beta, rnd(6, H, K, V)
+
+
+def test_fused_recurrent_kda_fwd_state_pool_by_slot_index_runs_torch_kda():
+    q, k, v, g, beta, pool = _decode_problem(38)
+    idx = torch.tensor([4, 0, 2])
+    assert kda_fla.fused_recurrent_kda_fwd_verifier(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx)[0]
+    o_ref, s_ref = oracle_kda(q, k, v, g, beta, initial_state=pool[idx], output_final_state=True,
+                              use_qk_l2norm_in_kernel=True)
+    live = pool.clone()
+    with torch.no_grad():
+        o, s = fla_fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=live, ssm_state_indices=idx,
+                                           use_qk_l2norm_in_kernel=True)
+    assert s is live and rel_err(o, o_ref) < 1e-5 and rel_err(live[idx], s_ref) < 1e-5
+    assert torch.equal(live[[1, 3, 5]], pool[[1, 3, 5]])  # slots not named are untouched
+
+
+def test_fused_recurrent_kda_fwd_speculative_indices_equal_torch_kda_call():
+    import torch_kda
+
+    q, k, v, g, beta, pool = _decode_problem(39)
+    q, k, v, g, beta = (t.repeat_interleave(3, dim=1) for t in (q, k, v, g, beta))  # 3 draft tokens each
+    idx = torch.tensor([[0, 1, 2], [3, 4, 5], [-1, -1, -1]])  # the last sequence is a pad slot
+    accepted = torch.tensor([2, 1, 1])
+    via_fla, direct = pool.clone(), pool.clone()
+    with torch.no_grad():
+        o, _ = fla_fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=via_fla, ssm_state_indices=idx,
+                                           num_accepted_tokens=accepted)
+        o_direct, _ = torch_kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=direct, ssm_state_indices=idx,
+                                                    num_accepted_tokens=accepted, inplace_final_state=True)
+    assert torch.equal(o, o_direct) and torch.equal(via_fla, direct)
+    assert not torch.equal(via_fla, pool) and torch.all(o[2] == 0)
+
+
+def test_chunk_kda_return_intermediate_states_in_inference_mode():
+    import torch_kda
+
+    p = make_problem(B=1, T=70, H=2, K=8, V=8, gate="softplus", seed=40).to(torch.float32)
+    with torch.inference_mode():
+        o, s, h = fla_chunk_kda(*p.args, **p.kwargs, return_intermediate_states=True)
+        o2, s2, h2 = torch_kda.chunk_kda(*p.args, **p.kwargs, return_intermediate_states=True)
+    assert h.shape == (1, 2, 2, 8, 8) and torch.equal(h, h2) and torch.equal(o, o2)
+    assert torch.equal(h[0, 0], p.kwargs["initial_state"][0])  # entry 0: the state entering chunk 0
+    with pytest.raises(ValueError, match="inference"):
+        fla_chunk_kda(*p.args, **p.kwargs, return_intermediate_states=True)

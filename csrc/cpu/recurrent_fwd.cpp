@@ -86,6 +86,10 @@ Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for
       p.gate_s = at::empty({BT, d.HV, d.K}, opts);
     }
   }
+  // Full-size arrays of the backward's pre-processing: 2 MB pages (see advise_huge_pages).
+  for (const at::Tensor* t : {&p.q, &p.k_hm, &p.a, &p.ak, &p.g, &p.gate_s}) {
+    if (t->defined()) advise_huge_pages(*t);
+  }
   auto set_common = [&](auto& P) {
     P.BT = BT;
     P.H = d.H;

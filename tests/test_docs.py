@@ -19,8 +19,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-#: Seconds one snippet may take on this project's 2-core machine under load (docs promise < 5 s idle).
-SNIPPET_LIMIT_S = 60
+#: Seconds one snippet may take: generous, since the shared 2-core machine runs snippets several
+#: times slower under load (a Hugging Face model snippet took 30 s at load average 7, > 60 s at 10).
+SNIPPET_LIMIT_S = 180
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
                     re.MULTILINE | re.DOTALL)

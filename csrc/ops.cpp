@@ -44,19 +44,19 @@ bool is_float_dtype(at::ScalarType t) {
 }
 
 void check_float(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(is_float_dtype(t.scalar_type()), kOp, name,
+  TORCH_CHECK_TYPE(is_float_dtype(t.scalar_type()), kOp, name,
               " must be a floating tensor (float64, float32, bfloat16 or float16), got dtype ",
               t.scalar_type());
 }
 
 void check_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(t.device() == q.device(), kOp, name, " must be on the device of q (", q.device(),
+  TORCH_CHECK_VALUE(t.device() == q.device(), kOp, name, " must be on the device of q (", q.device(),
               "), got ", t.device());
 }
 
 void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef expected,
                  const char* what) {
-  TORCH_CHECK(t.sizes() == expected, kOp, name, " must have shape ", expected, " ", what,
+  TORCH_CHECK_VALUE(t.sizes() == expected, kOp, name, " must have shape ", expected, " ", what,
               ", got ", t.sizes());
 }
 
@@ -64,16 +64,16 @@ void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef expected
 
 Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
   const at::Tensor& q = in.q;
-  TORCH_CHECK(q.defined() && in.k.defined() && in.v.defined() && in.g.defined() &&
+  TORCH_CHECK_TYPE(q.defined() && in.k.defined() && in.v.defined() && in.g.defined() &&
                   in.beta.defined(),
               kOp, "q, k, v, g and beta must be defined tensors");
-  TORCH_CHECK(q.dim() == 4, kOp, "q must be 4-D [B, T, H, K], got shape ", q.sizes());
-  TORCH_CHECK(q.scalar_type() == at::kDouble || q.scalar_type() == at::kFloat ||
+  TORCH_CHECK_VALUE(q.dim() == 4, kOp, "q must be 4-D [B, T, H, K], got shape ", q.sizes());
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kDouble || q.scalar_type() == at::kFloat ||
                   q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               kOp, "q must be float64, float32, bfloat16 or float16, got dtype ", q.scalar_type());
-  TORCH_CHECK(in.k.scalar_type() == q.scalar_type(), kOp, "k must have the dtype of q (",
+  TORCH_CHECK_TYPE(in.k.scalar_type() == q.scalar_type(), kOp, "k must have the dtype of q (",
               q.scalar_type(), "), got ", in.k.scalar_type());
-  TORCH_CHECK(in.v.scalar_type() == q.scalar_type(), kOp, "v must have the dtype of q (",
+  TORCH_CHECK_TYPE(in.v.scalar_type() == q.scalar_type(), kOp, "v must have the dtype of q (",
               q.scalar_type(), "), got ", in.v.scalar_type());
   check_float(in.g, "g");
   check_float(in.beta, "beta");
@@ -83,20 +83,20 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
   d.T = q.size(1);
   d.H = q.size(2);
   d.K = q.size(3);
-  TORCH_CHECK(d.H > 0, kOp, "q must have at least one head (H = q.size(2) > 0), got H = ", d.H);
-  TORCH_CHECK(d.K > 0, kOp, "the key dimension K = q.size(3) must be > 0, got ", d.K);
+  TORCH_CHECK_VALUE(d.H > 0, kOp, "q must have at least one head (H = q.size(2) > 0), got H = ", d.H);
+  TORCH_CHECK_VALUE(d.K > 0, kOp, "the key dimension K = q.size(3) must be > 0, got ", d.K);
   check_shape(in.k, "k", q.sizes(), "(the shape of q, [B, T, H, K])");
-  TORCH_CHECK(in.v.dim() == 4, kOp, "v must be 4-D [B, T, HV, V], got shape ", in.v.sizes());
-  TORCH_CHECK(in.v.size(0) == d.B && in.v.size(1) == d.T, kOp,
+  TORCH_CHECK_VALUE(in.v.dim() == 4, kOp, "v must be 4-D [B, T, HV, V], got shape ", in.v.sizes());
+  TORCH_CHECK_VALUE(in.v.size(0) == d.B && in.v.size(1) == d.T, kOp,
               "v must have shape [B, T, HV, V] with B = ", d.B, " and T = ", d.T,
               " (from q), got ", in.v.sizes());
   d.HV = in.v.size(2);
   d.V = in.v.size(3);
-  TORCH_CHECK(d.HV > 0 && d.HV % d.H == 0, kOp,
+  TORCH_CHECK_VALUE(d.HV > 0 && d.HV % d.H == 0, kOp,
               "the number of value heads HV = v.size(2) must be a positive multiple of the "
               "number of q/k heads H = ",
               d.H, ", got HV = ", d.HV);
-  TORCH_CHECK(d.V > 0, kOp, "the value dimension V = v.size(3) must be > 0, got ", d.V);
+  TORCH_CHECK_VALUE(d.V > 0, kOp, "the value dimension V = v.size(3) must be > 0, got ", d.V);
   check_shape(in.g, "g", {d.B, d.T, d.HV, d.K}, "[B, T, HV, K]");
   check_shape(in.beta, "beta", {d.B, d.T, d.HV}, "[B, T, HV]");
   check_device(in.k, "k", q);
@@ -104,19 +104,19 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
   check_device(in.g, "g", q);
   check_device(in.beta, "beta", q);
 
-  TORCH_CHECK(std::isfinite(cfg.scale), kOp, "scale must be finite, got ", cfg.scale);
-  TORCH_CHECK(!cfg.allow_neg_eigval || cfg.use_beta_sigmoid_in_kernel, kOp,
+  TORCH_CHECK_VALUE(std::isfinite(cfg.scale), kOp, "scale must be finite, got ", cfg.scale);
+  TORCH_CHECK_VALUE(!cfg.allow_neg_eigval || cfg.use_beta_sigmoid_in_kernel, kOp,
               "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True");
-  TORCH_CHECK(cfg.use_gate_in_kernel || (!in.A_log && !in.dt_bias), kOp,
+  TORCH_CHECK_VALUE(cfg.use_gate_in_kernel || (!in.A_log && !in.dt_bias), kOp,
               "A_log and dt_bias are only used with use_gate_in_kernel=True, got "
               "use_gate_in_kernel=False with A_log ", in.A_log ? "set" : "None", " and dt_bias ",
               in.dt_bias ? "set" : "None");
   if (cfg.use_gate_in_kernel) {
     if (cfg.lower_bound) {
-      TORCH_CHECK(std::isfinite(*cfg.lower_bound) && *cfg.lower_bound < 0.0, kOp,
+      TORCH_CHECK_VALUE(std::isfinite(*cfg.lower_bound) && *cfg.lower_bound < 0.0, kOp,
                   "lower_bound must be a finite negative number, got ", *cfg.lower_bound);
     } else {
-      TORCH_CHECK(in.A_log.has_value(), kOp,
+      TORCH_CHECK_VALUE(in.A_log.has_value(), kOp,
                   "use_gate_in_kernel=True without lower_bound (softplus gate) requires A_log, "
                   "got None");
     }
@@ -124,14 +124,14 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
   if (in.A_log) {
     check_float(*in.A_log, "A_log");
     check_device(*in.A_log, "A_log", q);
-    TORCH_CHECK(in.A_log->dim() == 1 && in.A_log->size(0) == d.HV, kOp,
+    TORCH_CHECK_VALUE(in.A_log->dim() == 1 && in.A_log->size(0) == d.HV, kOp,
                 "A_log must have shape [HV] = [", d.HV, "], got ", in.A_log->sizes());
   }
   if (in.dt_bias) {
     check_float(*in.dt_bias, "dt_bias");
     check_device(*in.dt_bias, "dt_bias", q);
     const auto& b = *in.dt_bias;
-    TORCH_CHECK((b.dim() == 1 && b.size(0) == d.HV * d.K) ||
+    TORCH_CHECK_VALUE((b.dim() == 1 && b.size(0) == d.HV * d.K) ||
                     (b.dim() == 2 && b.size(0) == d.HV && b.size(1) == d.K),
                 kOp, "dt_bias must have shape [HV * K] = [", d.HV * d.K, "] or [HV, K] = [", d.HV,
                 ", ", d.K, "], got ", b.sizes());
@@ -139,24 +139,24 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
 
   if (in.cu_seqlens) {
     const auto& cu = *in.cu_seqlens;
-    TORCH_CHECK(cu.scalar_type() == at::kLong || cu.scalar_type() == at::kInt, kOp,
+    TORCH_CHECK_TYPE(cu.scalar_type() == at::kLong || cu.scalar_type() == at::kInt, kOp,
                 "cu_seqlens must be int64 or int32, got dtype ", cu.scalar_type());
-    TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, kOp,
+    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, kOp,
                 "cu_seqlens must be 1-D [N + 1] with N >= 0, got shape ", cu.sizes());
-    TORCH_CHECK(d.B == 1, kOp, "with cu_seqlens the batch size must be 1, got B = ", d.B);
+    TORCH_CHECK_VALUE(d.B == 1, kOp, "with cu_seqlens the batch size must be 1, got B = ", d.B);
     d.varlen = true;
     d.N = cu.size(0) - 1;
     if (check_values) {
-      TORCH_CHECK(cu.device().is_cpu(), kOp, "cu_seqlens must be a CPU tensor, got ",
+      TORCH_CHECK_VALUE(cu.device().is_cpu(), kOp, "cu_seqlens must be a CPU tensor, got ",
                   cu.device());
       const auto c = cu.to(at::kLong).contiguous();
       const int64_t* p = c.data_ptr<int64_t>();
-      TORCH_CHECK(p[0] == 0, kOp, "cu_seqlens[0] must be 0, got ", p[0]);
+      TORCH_CHECK_VALUE(p[0] == 0, kOp, "cu_seqlens[0] must be 0, got ", p[0]);
       for (int64_t i = 0; i < d.N; ++i) {
-        TORCH_CHECK(p[i + 1] >= p[i], kOp, "cu_seqlens must be non-decreasing, got cu_seqlens[",
+        TORCH_CHECK_VALUE(p[i + 1] >= p[i], kOp, "cu_seqlens must be non-decreasing, got cu_seqlens[",
                     i, "] = ", p[i], " > cu_seqlens[", i + 1, "] = ", p[i + 1]);
       }
-      TORCH_CHECK(p[d.N] == d.T, kOp, "cu_seqlens[-1] must equal T = ", d.T, ", got ", p[d.N]);
+      TORCH_CHECK_VALUE(p[d.N] == d.T, kOp, "cu_seqlens[-1] must equal T = ", d.T, ", got ", p[d.N]);
     }
   } else {
     d.N = d.B;
@@ -205,7 +205,7 @@ Config make_config(double scale, bool l2, bool gate, bool sig, bool neg,
 }
 
 void check_cpu(const Inputs& in) {
-  TORCH_CHECK(in.q.device().is_cpu(), kOp, "the native kernels run on CPU tensors, got q on ",
+  TORCH_CHECK_VALUE(in.q.device().is_cpu(), kOp, "the native kernels run on CPU tensors, got q on ",
               in.q.device());
 }
 
@@ -267,7 +267,7 @@ Grads bwd_cpu(const at::Tensor& grad_o,
   check_cpu(in);
   const Config cfg = KDA_OP_CONFIG;
   const Dims d = check_inputs(in, cfg, /*check_values=*/true);
-  TORCH_CHECK(grad_o.sizes() == at::IntArrayRef({d.B, d.T, d.HV, d.V}), kOp,
+  TORCH_CHECK_VALUE(grad_o.sizes() == at::IntArrayRef({d.B, d.T, d.HV, d.V}), kOp,
               "grad_o must have shape [B, T, HV, V] = ", at::IntArrayRef({d.B, d.T, d.HV, d.V}),
               ", got ", grad_o.sizes());
   check_float(grad_o, "grad_o");
@@ -295,7 +295,7 @@ Grads bwd_cpu(const at::Tensor& grad_o,
 // Checks that need no sizes: every tensor defined and on q's device (a tensor on another device
 // can route the call to this kernel).
 void check_defined_same_device(KDA_OP_ARGS) {
-  TORCH_CHECK(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(), kOp,
+  TORCH_CHECK_TYPE(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(), kOp,
               "q, k, v, g and beta must be defined tensors");
   check_device(k, "k", q);
   check_device(v, "v", q);
@@ -312,7 +312,7 @@ at::ScalarType state_dtype(const at::Tensor& q) { return compute_dtype(q); }
 std::vector<c10::SymInt> state_shape_meta(const at::Tensor& q, const at::Tensor& v,
                                           const std::optional<at::Tensor>& cu_seqlens,
                                           bool state_v_first) {
-  TORCH_CHECK(q.dim() == 4 && v.dim() == 4, kOp, "q and v must be 4-D");
+  TORCH_CHECK_VALUE(q.dim() == 4 && v.dim() == 4, kOp, "q and v must be 4-D");
   c10::SymInt N = (cu_seqlens && cu_seqlens->defined()) ? cu_seqlens->sym_size(0) - 1
                                                          : q.sym_size(0);
   if (state_v_first) return {N, v.sym_size(2), v.sym_size(3), q.sym_size(3)};
@@ -728,8 +728,8 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent(const at::Tensor& q, const at
                                                    const at::Tensor& v, const at::Tensor& g,
                                                    const at::Tensor& beta,
                                                    const FusedRecurrentOptions& o) {
-  TORCH_CHECK(q.defined(), "kda::fused_recurrent: q must be a defined tensor");
-  TORCH_CHECK(q.dim() == 4, "kda::fused_recurrent: q must be 4-D [B, T, H, K], got shape ",
+  TORCH_CHECK_TYPE(q.defined(), "kda::fused_recurrent: q must be a defined tensor");
+  TORCH_CHECK_VALUE(q.dim() == 4, "kda::fused_recurrent: q must be 4-D [B, T, H, K], got shape ",
               q.sizes());
   const double scale = o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   static auto op = c10::Dispatcher::singleton()

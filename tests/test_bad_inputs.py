@@ -159,8 +159,11 @@ OP_CASES = [
 @pytest.mark.parametrize("row,change,match", OP_CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(OP_CASES)])
 def test_native_op_rejects(row, change, match):
+    # C++ TORCH_CHECK_TYPE / TORCH_CHECK_VALUE: the Python API's exception types (TypeError for
+    # dtypes, ValueError for values), not a bare RuntimeError.
     p = _op_problem()
-    with pytest.raises(RuntimeError, match=re.escape(match)):
+    exc = TypeError if "floating tensor" in match else ValueError
+    with pytest.raises(exc, match=re.escape(match)):
         torch.ops.kda.fused_recurrent(*_op_args(p, **change(p)))
 
 
@@ -186,5 +189,5 @@ def test_native_backward_op_rejects(which, match):  # row "bwd-op"
         "checkpoints_shape": (d_o, d_s, ck[:1]),
         "checkpoints_dtype": (d_o, d_s, ck.int()),
     }[which]
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(TypeError if "floating" in match else ValueError, match=match):
         torch.ops.kda.fused_recurrent_bwd(d_o, d_s, ck, *args)

@@ -10,6 +10,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <cmath>
+
 #include <vector>
 
 namespace kda {
@@ -151,16 +153,22 @@ void chain_rule_tokens(const ChainArgs<T>& C, int64_t t0, int64_t t1) {
         const T* s = C.gate_s + row;
         const T* gz = C.g + row;
         T rowA = 0;
+        // Saturated gates (docs/math.md "Saturation"): where exp(A_log) overflowed to inf the
+        // gate sits at its limit and every gradient through it is 0; where the log-decay
+        // overflowed to -inf the decay underflowed, dg = a * (...) is exactly 0, and its product
+        // with g is the limit 0 of exp(g) g, not 0 * inf = NaN.
+        const bool rate_inf = C.expA && std::isinf(C.expA[hv]);
         if (C.softplus) {
           const T mA = -C.expA[hv];
           for (int64_t i = 0; i < K; ++i) {
-            rowA += dg[i] * gz[i];
-            dg[i] = dg[i] * mA * s[i];
+            const T d = dg[i];
+            rowA += (d == T(0) || rate_inf) ? T(0) : d * gz[i];
+            dg[i] = rate_inf ? T(0) : d * mA * s[i];
           }
         } else {
           for (int64_t i = 0; i < K; ++i) {
             T dz = dg[i] * C.lower_bound * s[i] * (T(1) - s[i]);
-            if (C.expA) dz *= C.expA[hv];
+            if (C.expA) dz = rate_inf ? T(0) : dz * C.expA[hv];
             const T z = gz[i] + (C.bias ? C.bias[hv * K + i] : T(0));
             rowA += dz * z;
             dg[i] = dz;

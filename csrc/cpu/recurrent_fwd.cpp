@@ -6,7 +6,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <sstream>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -18,8 +21,53 @@ namespace kda {
 namespace detail {
 
 namespace {
+// The first offending indices reported by any thread (-1: none): the smallest wins, so the
+// message does not depend on the thread count.
+struct FirstBad {
+  std::atomic<int64_t> g{-1}, beta{-1};
+  static void keep(std::atomic<int64_t>& first, int64_t idx) {
+    if (idx < 0) return;
+    int64_t cur = first.load();
+    while ((cur < 0 || idx < cur) && !first.compare_exchange_weak(cur, idx)) {
+    }
+  }
+  void add(const kernels::PrepReport& r) {
+    keep(g, r.bad_g);
+    keep(beta, r.bad_beta);
+  }
+};
+
+// "[b, t, h" of a global token index (token = b * T + t).
+std::string where_of(int64_t token, int64_t T, int64_t h) {
+  std::ostringstream s;
+  s << "[" << (T > 0 ? token / T : 0) << ", " << (T > 0 ? token % T : token) << ", " << h;
+  return s.str();
+}
+
+// Raises what the pre-processing pass found (docs/bad_inputs.md, "Values outside the domain"),
+// with the value read from the caller's tensor. (The warning about beta * ||k||^2 > 2 is
+// Python's: a TORCH_WARN from an op called through torch.ops reaches stderr, not Python.)
+void report_domain(FirstBad& bad, const Inputs& in, const Dims& d) {
+  const int64_t bg = bad.g.load(), bb = bad.beta.load();
+  if (bg >= 0) {
+    const int64_t token = bg / (d.HV * d.K), hv = (bg / d.K) % d.HV, i = bg % d.K;
+    const double val = in.g.reshape({-1})[bg].item<double>();
+    TORCH_CHECK_VALUE(false, "kda::fused_recurrent: g must be a log-decay <= 0 with "
+                      "use_gate_in_kernel=False, got g", where_of(token, d.T, hv), ", ", i,
+                      "] = ", val, "; pass log(decay) for a decay in (0, 1], or the raw gate "
+                      "input with use_gate_in_kernel=True and A_log");
+  }
+  if (bb >= 0) {
+    const int64_t token = bb / d.HV, hv = bb % d.HV;
+    const double val = in.beta.reshape({-1})[bb].item<double>();
+    TORCH_CHECK_VALUE(false, "kda::fused_recurrent: beta must lie in [0, 2] with "
+                      "use_beta_sigmoid_in_kernel=False, got beta", where_of(token, d.T, hv),
+                      "] = ", val, "; pass use_beta_sigmoid_in_kernel=True if beta holds logits");
+  }
+}
+
 template <typename T>
-void run_prep(const kernels::PrepArgs<T>& P) {
+void run_prep(const kernels::PrepArgs<T>& P, FirstBad& bad) {
   const auto& tab = kernels::table();
   auto fn = [&]() {
     if constexpr (std::is_same_v<T, float>) {
@@ -28,7 +76,7 @@ void run_prep(const kernels::PrepArgs<T>& P) {
       return tab.prep_f64;
     }
   }();
-  at::parallel_for(0, P.BT, 16, [&](int64_t b, int64_t e) { fn(P, b, e); });
+  at::parallel_for(0, P.BT, 16, [&](int64_t b, int64_t e) { bad.add(fn(P, b, e)); });
 }
 
 template <typename T>
@@ -104,17 +152,20 @@ Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for
     P.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
     P.beta_mult = cfg.allow_neg_eigval ? 2.0 : 1.0;
   };
+  FirstBad bad;
   if (ct == at::kDouble) {
     kernels::PrepArgs<double> P;
     set_common(P);
     fill_prep<double>(P, q, k, g, beta, expA, bias, p);
-    run_prep<double>(P);
+    run_prep<double>(P, bad);
   } else {
     kernels::PrepArgs<float> P;
     set_common(P);
     fill_prep<float>(P, q, k, g, beta, expA, bias, p);
-    run_prep<float>(P);
+    run_prep<float>(P, bad);
   }
+  // The backward op re-runs this pass and may be called alone: the same errors as the forward.
+  report_domain(bad, in, d);
 
   // Token-major views and values for the backward's chain rule.
   p.k = p.k_hm.permute({1, 0, 2});
@@ -381,7 +432,9 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
       }
     }
     // Pre-processing of the block's rows, in parallel over rows (a few rows per task, so that
-    // every thread gets some of a short block).
+    // every thread gets some of a short block); values outside the domain are reported before
+    // the block's recurrence runs.
+    FirstBad bad;
     const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, used / (4 * threads)));
     at::parallel_for(0, used, grain, [&](int64_t b, int64_t e) {
       int64_t n = static_cast<int64_t>(std::upper_bound(loc.begin(), loc.begin() + d.N, b) -
@@ -392,10 +445,11 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
         kernels::PrepArgs<T> Pn = P;
         Pn.out_shift = shift[n];
         Pn.in_shift = conv_in ? shift[n] : 0;
-        prep(Pn, rs[n] + (b - loc[n]), rs[n] + (stop - loc[n]));
+        bad.add(prep(Pn, rs[n] + (b - loc[n]), rs[n] + (stop - loc[n])));
         b = stop;
       }
     });
+    report_domain(bad, in, d);
     // The recurrence over the block. An empty sequence still runs once (in block 0), so its
     // final state is its initial state.
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {

@@ -191,6 +191,40 @@ TEST_F(BadInput, NonFiniteScale) {
   expect(x.q, x.k, x.v, x.g, x.beta, o, {"scale must be finite", "inf"});
 }
 
+// Values outside the domain (docs/bad_inputs.md "Values outside the domain"), found by the
+// pre-processing pass: named with the value and its place [b, t, hv(, k)].
+TEST_F(BadInput, PositiveLogDecayWithoutGateInKernel) {
+  auto o = x.opts;
+  o.use_gate_in_kernel = false;
+  o.A_log.reset();
+  o.dt_bias.reset();
+  Tensor g = -at::softplus(x.g);
+  g[1][7][3][4] = 0.5;  // token 7 of batch row 1, value head 3, channel 4
+  expect(x.q, x.k, x.v, g, x.beta, o,
+         {"g must be a log-decay <= 0", "g[1, 7, 3, 4] = 0.5", "use_gate_in_kernel=True"});
+  // NaN is not out of the domain: it propagates (policy), no error
+  g[1][7][3][4] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_NO_THROW(call(x.q, x.k, x.v, g, x.beta, o));
+}
+
+TEST_F(BadInput, PrecomputedBetaOutsideZeroTwo) {
+  auto o = x.opts;
+  o.use_beta_sigmoid_in_kernel = false;
+  Tensor beta = at::sigmoid(x.beta);
+  beta[0][2][1] = 3.0;
+  expect(x.q, x.k, x.v, x.g, beta, o,
+         {"beta must lie in [0, 2]", "beta[0, 2, 1] = 3", "use_beta_sigmoid_in_kernel=True"});
+  beta[0][2][1] = 2.0;  // the range's end (negative eigenvalue -1) is valid
+  EXPECT_NO_THROW(call(x.q, x.k, x.v, x.g, beta, o));
+}
+
+// TORCH_CHECK_VALUE / TORCH_CHECK_TYPE: Python sees ValueError / TypeError, as from the Python
+// checks; both are c10::Error, so C++ callers catching c10::Error are unaffected.
+TEST_F(BadInput, ValueAndTypeErrorsHaveTheirTypes) {
+  EXPECT_THROW(call(x.q, x.k.slice(3, 0, 2), x.v, x.g, x.beta, x.opts), c10::ValueError);
+  EXPECT_THROW(call(x.q, x.k, x.v, x.g.to(at::kLong), x.beta, x.opts), c10::TypeError);
+}
+
 TEST_F(BadInput, GateParametersWithoutGateInKernel) {
   auto o = x.opts;
   o.use_gate_in_kernel = false;  // A_log and dt_bias still set: they would be silently ignored

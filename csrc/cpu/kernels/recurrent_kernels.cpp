@@ -443,10 +443,15 @@ inline vec_t<double> vsigmoid(vec_t<double> x) {
 }
 
 template <typename T>
-void prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
+PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   const int64_t K = P.K, H = P.H, HV = P.HV, BT = P.BT;
+  PrepReport rep;
+  const V zero{};
+  // Lanes that ever held a log-decay > 0 (NaN compares false: it propagates, it is not rejected).
+  // One OR per vector; the offending index is searched only if a lane is set.
+  decltype(zero > zero) g_pos{};
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t ti = t - P.in_shift, to = t - P.out_shift;  // input / output rows of token t
     // q, k: l2 norm (optional) and scale.
@@ -481,6 +486,9 @@ void prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       const T* kh = P.k_out + ((hv / (HV / H)) * BT + to) * K;  // khat of this value head's key
       T* gout = P.g_out ? P.g_out + (to * HV + hv) * K : nullptr;
       T* sout = P.s_out ? P.s_out + (to * HV + hv) * K : nullptr;
+      // exp(A_log) overflowed (A_log > log(max)): the bounded gate's sigmoid(inf * z) is its
+      // limit, a step (sign(z) + 1) / 2 (inf * 0 would be NaN).
+      const bool rate_inf = P.expA && __builtin_isinf(P.expA[hv]);
       for (int64_t i = 0; i < K; i += L) {
         const int64_t m = K - i;
         V gl = load_cols(gr + i, m);
@@ -491,10 +499,18 @@ void prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
             gl = -P.expA[hv] * vsoftplus(z);
             if (sout) store_cols(sout + i, vsigmoid(z), m);
           } else {
-            const V sg = vsigmoid(P.expA ? P.expA[hv] * z : z);
+            V sg;
+            if (rate_inf) {
+              const V half = splat<T>(T(0.5)), one = splat<T>(T(1));
+              sg = z > zero ? one : (z < zero ? zero : half);
+            } else {
+              sg = vsigmoid(P.expA ? P.expA[hv] * z : z);
+            }
             gl = P.lower_bound * sg;
             if (sout) store_cols(sout + i, sg, m);
           }
+        } else {
+          g_pos |= gl > zero;
         }
         if (gout) store_cols(gout + i, gl, m);
         const V av = vexp(gl);
@@ -505,10 +521,27 @@ void prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
     // beta
     for (int64_t hv = 0; hv < HV; ++hv) {
       T b = P.beta[ti * HV + hv];
-      if (P.beta_sigmoid) b = P.beta_mult * (T(1) / (T(1) + s_exp(-b)));
+      if (P.beta_sigmoid) {
+        b = P.beta_mult * (T(1) / (T(1) + s_exp(-b)));
+      } else if ((b < T(0) || b > T(2)) && rep.bad_beta < 0) {
+        rep.bad_beta = t * HV + hv;
+      }
       P.beta_out[hv * BT + to] = b;
     }
   }
+  bool any_g = false;
+  for (int64_t l = 0; l < L; ++l) any_g = any_g || g_pos[l] != 0;
+  if (any_g) {
+    const int64_t n = (t1 - t0) * HV * K;
+    const T* g0 = P.g + (t0 - P.in_shift) * HV * K;  // rows of tokens [t0, t1) are consecutive
+    for (int64_t j = 0; j < n; ++j) {
+      if (g0[j] > T(0)) {
+        rep.bad_g = t0 * HV * K + j;
+        break;
+      }
+    }
+  }
+  return rep;
 }
 
 // Forward of tokens [t0, t1) of sequence n for one slice of columns [j0, j0 + width); the token

@@ -76,7 +76,7 @@ struct BwdArgs : RecurrenceInputs<T> {
   T* dh0 = nullptr;         // [N, HV, K, V]
 };
 
-// Per-token pre-processing (KDA_SPEC.md "Gate and beta computed inside the op"): l2 norm and
+// Per-token pre-processing (docs/math.md "Gates"): l2 norm and
 // scale of q/k, gate and decay, sigmoid beta, fused in one pass over the tokens.
 enum class GateMode : int { kNone = 0, kSoftplus = 1, kBounded = 2 };
 
@@ -118,11 +118,20 @@ constexpr int64_t fwd_scratch_elems(int64_t K, int64_t n_slices) {
   return n_slices * (K * kFwdSlice + kFwdSlice) + (K + 15) / 16 * 16;
 }
 
+// What the pre-processing pass found outside the domain where the recurrence is defined
+// (docs/math.md "Domain of the inputs"); found for free while the values pass through registers.
+// Each field is the FIRST offending index in the pass's token range (global token numbering t,
+// not the shifted rows), or -1.
+struct PrepReport {
+  int64_t bad_g = -1;      // t * HV * K + hv * K + i: a log-decay > 0 (only without the in-op gate)
+  int64_t bad_beta = -1;   // t * HV + hv: a precomputed beta outside [0, 2] (no in-op sigmoid)
+};
+
 struct Table {
   const char* isa;
   // Pre-processing of tokens [t0, t1).
-  void (*prep_f32)(const PrepArgs<float>&, int64_t t0, int64_t t1);
-  void (*prep_f64)(const PrepArgs<double>&, int64_t t0, int64_t t1);
+  PrepReport (*prep_f32)(const PrepArgs<float>&, int64_t t0, int64_t t1);
+  PrepReport (*prep_f64)(const PrepArgs<double>&, int64_t t0, int64_t t1);
   // Forward of tokens [t0, t1) of sequence n (a range inside it; t0 == seq_start reads h0, else
   // ht), slices [s_begin, s_end) (kFwdSlice columns each) of value head hv; the state goes to ht.
   // ws: the calling thread's scratch, fwd_scratch_elems(K, s_end - s_begin) elements, 64-byte

@@ -49,7 +49,7 @@ BAD_INPUTS = [
     ("cu_decreasing", _mutate(cu_seqlens=torch.tensor([0, 4, 2, 6]),
                               initial_state=lambda c: c["initial_state"].repeat(3, 1, 1, 1)),
      ValueError, ["non-decreasing"]),
-    ("cu_last", _mutate(cu_seqlens=torch.tensor([0, 5])), ValueError, ["cu_seqlens[-1]", "T=6"]),
+    ("cu_last", _mutate(cu_seqlens=torch.tensor([0, 5])), ValueError, ["cu_seqlens[-1]", "T = 6"]),
     ("cu_float", _mutate(cu_seqlens=torch.tensor([0.0, 6.0])), TypeError, ["cu_seqlens", "dtype"]),
     ("cu_2d", _mutate(cu_seqlens=torch.tensor([[0, 6]])), ValueError, ["cu_seqlens", "1-D"]),
     ("cu_batch", _mutate(q=lambda c: c["q"].repeat(2, 1, 1, 1), k=lambda c: c["k"].repeat(2, 1, 1, 1),

@@ -249,7 +249,7 @@ BAD = [
      ["final_state", "dtype"]),
     ("cu_float", _bad(cu_seqlens=torch.tensor([0.0, 5.0])), TypeError, ["cu_seqlens", "dtype"]),
     ("cu_start", _bad(cu_seqlens=torch.tensor([1, 5])), ValueError, ["cu_seqlens[0]", "0"]),
-    ("cu_end", _bad(cu_seqlens=torch.tensor([0, 4])), ValueError, ["cu_seqlens[-1]", "T=5"]),
+    ("cu_end", _bad(cu_seqlens=torch.tensor([0, 4])), ValueError, ["cu_seqlens[-1]", "T = 5"]),
     ("cu_decreasing", _bad(cu_seqlens=torch.tensor([0, 4, 3, 5]),
                            initial_state=None, final_state=torch.zeros(3, 2, 4, 4)),
      ValueError, ["non-decreasing"]),

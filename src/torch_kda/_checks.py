@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -57,8 +59,15 @@ class KDAInputs:
 
     @property
     def seq_bounds(self) -> List[int]:
-        """``cu_seqlens`` as Python ints (a host sync on CUDA)."""
-        return [int(c) for c in self.cu_seqlens.tolist()]
+        """``cu_seqlens`` as Python ints (a host sync on CUDA), value-checked.
+
+        The values are checked wherever they are read, so a backend that reads them (the
+        reference) rejects bad offsets also under ``torch.compile``, where
+        :func:`check_kda_inputs` leaves the value checks to the consumer.
+        """
+        values = [int(c) for c in self.cu_seqlens.tolist()]
+        check_cu_seqlens_values(values, self.T)
+        return values
 
 
 def _require_tensor(name: str, x, ndim: Optional[int] = None, dtypes=_FLOAT_DTYPES) -> None:
@@ -78,6 +87,24 @@ def _require_shape(name: str, x: torch.Tensor, expected: tuple, meaning: str) ->
 def _require_device(name: str, x: torch.Tensor, device: torch.device) -> None:
     if x.device != device:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {x.device}")
+
+
+def check_scale(scale, K: int) -> float:
+    """``scale`` as a float: None means ``K ** -0.5``; any real number (Python or NumPy scalar).
+
+    Raises:
+        TypeError: not a real number (a bool, a string, a tensor: a tensor scale would carry no
+            gradient here and need a host sync, so pass ``float(scale)``).
+        ValueError: NaN or infinite.
+    """
+    if scale is None:
+        return K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        hint = "; pass float(scale)" if isinstance(scale, torch.Tensor) else ""
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}{hint}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return float(scale)
 
 
 def _check_lower_bound(lower_bound, safe_gate: bool) -> Optional[float]:
@@ -122,25 +149,81 @@ def check_gate_args(g, A_log, dt_bias, lower_bound) -> None:
     _check_gate_params(g, A_log, dt_bias, _check_lower_bound(lower_bound, False))
 
 
-def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> torch.Tensor:
+def check_cu_seqlens_values(values: List[int], T: int, name: str = "cu_seqlens") -> None:
+    """The value rules of ``cu_seqlens`` (starts at 0, non-decreasing, ends at ``T``).
+
+    The one implementation, used by the functional API, the reference (where it reads the
+    values), :class:`torch_kda.nn.ShortConvolution`, the layer and ``compat.flash_kda.fwd``.
+    The native op checks the same rules in C++ with the same words (csrc/ops.cpp).
+    """
+    if values[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {values[0]}")
+    for i in range(len(values) - 1):
+        if values[i + 1] < values[i]:
+            raise ValueError(
+                f"{name} must be non-decreasing, got {name}[{i}] = {values[i]} > "
+                f"{name}[{i + 1}] = {values[i + 1]}")
+    if values[-1] != T:
+        raise ValueError(f"{name}[-1] must equal T = {T}, got {values[-1]}")
+
+
+def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, q) -> None:
+    """FLA's ``cu_seqlens_cpu``, the host copy of ``cu_seqlens``: the same rules, the same values.
+
+    Raises:
+        TypeError / ValueError: as :func:`check_cu_seqlens` (named ``cu_seqlens_cpu``); given
+            without ``cu_seqlens``; other values than ``cu_seqlens`` (compared when
+            ``cu_seqlens`` is on the CPU: no device sync).
+    """
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens_cpu (a host copy of cu_seqlens) requires cu_seqlens, "
+                         "got cu_seqlens=None")
+    _require_tensor("q", q, ndim=4)
+    B, T = q.shape[:2]
+    check_cu_seqlens(cu_seqlens_cpu, B, T, torch.device("cpu"), name="cu_seqlens_cpu")
     _require_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_INT_DTYPES)
+    if cu_seqlens_cpu.shape != cu_seqlens.shape or (
+            cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens_cpu.long(),
+                                                                cu_seqlens.long())):
+        raise ValueError(f"cu_seqlens_cpu must hold the values of cu_seqlens, got "
+                         f"{cu_seqlens_cpu.tolist()} and {cu_seqlens.tolist()}")
+
+
+@torch.compiler.disable
+def _check_cu_seqlens_values_outside_graph(cu_seqlens: torch.Tensor, T: int, name: str) -> None:
+    # Runs eagerly even when called from compiled code (a graph break): for consumers that use
+    # the offsets on the device without ever reading them on the host (ShortConvolution).
+    check_cu_seqlens_values(cu_seqlens.tolist(), T, name)
+
+
+def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device,
+                     check_values: bool = True, name: str = "cu_seqlens",
+                     compiled_too: bool = False) -> torch.Tensor:
+    """Check packed-sequence offsets ``cu_seqlens [N + 1]`` for inputs ``[B, T, ...]``.
+
+    Returns the offsets as int64. With ``check_values`` the values are read (a host sync on
+    CUDA). While ``torch.compile`` traces, reading them would break the graph, so by default the
+    consumer that reads them checks (:attr:`KDAInputs.seq_bounds`, the native op); with
+    ``compiled_too`` they are checked outside the graph (a graph break).
+
+    Raises:
+        TypeError: not a tensor, or not int64/int32.
+        ValueError: not 1-D, fewer than 2 entries, ``B != 1``, another device than the inputs,
+            ``cu_seqlens[0] != 0``, decreasing, ``cu_seqlens[-1] != T``.
+    """
+    _require_tensor(name, cu_seqlens, ndim=1, dtypes=_INT_DTYPES)
     if cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must have N + 1 >= 2 entries, got {cu_seqlens.numel()}")
+        raise ValueError(f"{name} must have N + 1 >= 2 entries, got {cu_seqlens.numel()}")
     if B != 1:
-        raise ValueError(f"with cu_seqlens the batch size B must be 1 (pack the sequences), got B={B}")
-    _require_device("cu_seqlens", cu_seqlens, device)
-    if not torch.compiler.is_compiling():  # the value checks need the host; the native op re-checks
-        values = cu_seqlens.tolist()
-        if values[0] != 0:
-            raise ValueError(f"cu_seqlens[0] must be 0, got {values[0]}")
-        if values[-1] != T:
-            raise ValueError(f"cu_seqlens[-1] must equal T={T}, got {values[-1]}")
-        for i in range(len(values) - 1):
-            if values[i + 1] < values[i]:
-                raise ValueError(
-                    f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]={values[i]} > "
-                    f"cu_seqlens[{i + 1}]={values[i + 1]}")
+        raise ValueError(f"with {name} the batch size B must be 1 (pack the sequences), got B={B}")
+    _require_device(name, cu_seqlens, device)
+    if check_values:
+        if not torch.compiler.is_compiling():
+            check_cu_seqlens_values(cu_seqlens.tolist(), T, name)
+        elif compiled_too:
+            _check_cu_seqlens_values_outside_graph(cu_seqlens, T, name)
     return cu_seqlens.long()
+
 
 
 def check_kda_inputs(
@@ -178,12 +261,7 @@ def check_kda_inputs(
     for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         _require_device(name, x, device)
 
-    if scale is None:
-        scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
-    elif not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
+    scale = check_scale(scale, K)
 
     lower_bound = _check_lower_bound(lower_bound, safe_gate)
     if use_gate_in_kernel:
@@ -199,7 +277,7 @@ def check_kda_inputs(
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
     if cu_seqlens is not None:
-        cu_seqlens = _check_cu_seqlens(cu_seqlens, B, T, device)
+        cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, device)
         N = cu_seqlens.numel() - 1
     else:
         N = B
@@ -467,3 +545,85 @@ def check_serving_inputs(
     return x, ServingArgs(ssm_state_indices, num_accepted_tokens, inplace_final_state, out,
                           pad_slot_id, return_intermediate_states, headwise, read_slots, is_pad,
                           snapshot_slots, final_slots, seq_lens)
+
+
+def _index(flat: int, shape) -> str:
+    idx = []
+    for size in reversed(shape):
+        idx.append(flat % size)
+        flat //= size
+    return "[" + ", ".join(str(i) for i in reversed(idx)) + "]"
+
+
+@torch.compiler.disable  # data-dependent: runs eagerly under torch.compile (a graph break)
+def check_value_domain(x: KDAInputs) -> None:
+    """Reject values outside the domain where the recurrence is defined (docs/bad_inputs.md).
+
+    For the backends that are not the native op (the reference, FLA): the native op makes the
+    same checks inside its pre-processing pass, at no measurable cost; here they cost one
+    reduction over ``g`` and one over ``beta``, each followed by a host sync on CUDA. NaN is not
+    rejected (it propagates, by policy). Under ``torch.compile`` it runs eagerly, outside the
+    graph (a graph break; compile users: use the native backend, docs/layer.md). Also runs
+    :func:`warn_unstable_writes`.
+
+    Raises:
+        ValueError: ``g > 0`` without ``use_gate_in_kernel`` (a log-decay must be <= 0); ``beta``
+            outside ``[0, 2]`` without ``use_beta_sigmoid_in_kernel``.
+    """
+    with torch.no_grad():
+        if not x.use_gate_in_kernel:
+            bad = x.g > 0
+            if bool(bad.any()):
+                flat = int(bad.flatten().nonzero()[0])
+                raise ValueError(
+                    f"g must be a log-decay <= 0 with use_gate_in_kernel=False, got "
+                    f"g{_index(flat, x.g.shape)} = {x.g.flatten()[flat].item():g}; pass log(decay) "
+                    "for a decay in (0, 1], or the raw gate input with use_gate_in_kernel=True and "
+                    "A_log")
+        if not x.use_beta_sigmoid_in_kernel:
+            bad = (x.beta < 0) | (x.beta > 2)
+            if bool(bad.any()):
+                flat = int(bad.flatten().nonzero()[0])
+                raise ValueError(
+                    f"beta must lie in [0, 2] with use_beta_sigmoid_in_kernel=False, got "
+                    f"beta{_index(flat, x.beta.shape)} = {x.beta.flatten()[flat].item():g}; pass "
+                    "use_beta_sigmoid_in_kernel=True if beta holds logits")
+    warn_unstable_writes(x)
+
+
+def warn_unstable_writes(x: KDAInputs) -> None:
+    """Warn when a write step can amplify the state: ``beta * ||k||^2 > 2`` (every backend).
+
+    The write ``S <- (I - beta k k^T) S' + ...`` scales the state along ``k`` by
+    ``1 - beta ||k||^2``, outside ``[-1, 1]`` exactly when ``beta ||k||^2 > 2`` (or < 0, which
+    the ``beta`` range rules out). With ``use_qk_l2norm_in_kernel`` ``||k||^2 < 1`` and
+    ``beta <= 2``, so nothing is computed then; without it this costs one reduction over ``k`` and
+    ``beta`` (and a host sync on CUDA). A warning, not an error: decays can still keep such a
+    state bounded. It is raised here, in Python, for the native backend too: a ``TORCH_WARN``
+    from an op called through ``torch.ops`` goes to stderr, not to Python's ``warnings``.
+
+    Warns:
+        UserWarning: naming the place, the values and ``use_qk_l2norm_in_kernel=True``.
+    """
+    if x.use_qk_l2norm_in_kernel:
+        return
+    _warn_unstable_writes(x)
+
+
+@torch.compiler.disable  # data-dependent: runs eagerly under torch.compile (a graph break)
+def _warn_unstable_writes(x: KDAInputs) -> None:
+    with torch.no_grad():
+        beta = x.beta.to(x.compute_dtype)
+        if x.use_beta_sigmoid_in_kernel:
+            beta = torch.sigmoid(beta) * (2.0 if x.allow_neg_eigval else 1.0)
+        kn2 = x.k.to(x.compute_dtype).pow(2).sum(-1).repeat_interleave(x.HV // x.H, dim=2)
+        bad = beta * kn2 > 2
+        if bool(bad.any()):
+            flat = int(bad.flatten().nonzero()[0])
+            b, n2 = beta.flatten()[flat].item(), kn2.flatten()[flat].item()
+            warnings.warn(
+                f"beta * ||k||^2 = {b * n2:g} > 2 at {_index(flat, beta.shape)} (beta = {b:g}, "
+                f"||k||^2 = {n2:g}): the write step's factor 1 - beta * ||k||^2 lies outside "
+                "[-1, 1], so the state can grow without bound; pass "
+                "use_qk_l2norm_in_kernel=True (or keep ||k||^2 <= 2 / beta)",
+                UserWarning, stacklevel=5)

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._checks import KDAInputs, ServingArgs
+from ._checks import KDAInputs, ServingArgs, check_value_domain
 
 
 _UNKNOWN = object()
@@ -49,9 +49,15 @@ def _require_cuda(x: KDAInputs) -> None:
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"backend='fla' is unavailable: {reason}")
+    # FLA checks no values: the same domain checks as the reference (host syncs), and under
+    # torch.compile the cu_seqlens values too (check_kda_inputs leaves them to the consumer).
+    check_value_domain(x)
+    if x.cu_seqlens is not None and torch.compiler.is_compiling():
+        x.seq_bounds  # reads (and so checks) the values
 
 
-def chunk(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def chunk(x: KDAInputs, cu_seqlens_cpu: Optional[torch.Tensor] = None,
+          disable_recompute: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """FLA's ``fla.ops.kda.chunk_kda`` with the same arguments."""
     _require_cuda(x)
     if x.chunk_size not in (32, 64):
@@ -59,7 +65,8 @@ def chunk(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     return fla_chunk_kda(x.q, x.k, x.v, x.g, x.beta, safe_gate=x.safe_gate,
-                         chunk_size=x.chunk_size, **_kwargs(x))
+                         chunk_size=x.chunk_size, cu_seqlens_cpu=cu_seqlens_cpu,
+                         disable_recompute=disable_recompute, **_kwargs(x))
 
 
 def fused_recurrent(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ._checks import KDAInputs, ServingArgs
+from ._checks import KDAInputs, ServingArgs, check_value_domain, warn_unstable_writes
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _FIX = ("reinstall with `pip install --no-build-isolation .` (`-e .` for an editable install; it needs "
@@ -71,7 +71,12 @@ LOAD_ERROR: Optional[str] = _load()
 
 
 def fused_recurrent(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Run checked inputs through ``torch.ops.kda.fused_recurrent`` (CPU, fused C++ kernels)."""
+    """Run checked inputs through ``torch.ops.kda.fused_recurrent`` (CPU, fused C++ kernels).
+
+    The op itself rejects ``g > 0`` and ``beta`` outside ``[0, 2]`` (in its pre-processing pass);
+    the warning about unnormalised keys is raised here (free with the l2 norm on).
+    """
+    warn_unstable_writes(x)
     o, final_state = torch.ops.kda.fused_recurrent(
         x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, x.use_qk_l2norm_in_kernel,
         x.use_gate_in_kernel, x.use_beta_sigmoid_in_kernel, x.allow_neg_eigval, x.lower_bound,
@@ -96,6 +101,9 @@ def serving(x: KDAInputs, s: ServingArgs):
             raise ValueError(f"backend='native' runs the serving arguments (ssm_state_indices, "
                              f"inplace_final_state, out=, head-wise beta) forward only, but {name} "
                              "requires grad; use backend='reference' for gradients")
+    # The serving op has its own pre-processing: the domain checks (g <= 0, beta in [0, 2]) run
+    # here, before anything is written to the pool (one reduction over g and beta).
+    check_value_domain(x)
     out = s.out if s.out is not None else torch.empty(x.B, x.T, x.HV, x.V, dtype=x.q.dtype)
     final = None
     if not s.inplace_final_state and x.output_final_state:

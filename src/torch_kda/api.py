@@ -18,7 +18,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from . import _fla, _native, reference
-from ._checks import KDAInputs, ServingArgs, check_kda_inputs, check_serving_inputs
+from ._checks import KDAInputs, ServingArgs, check_cu_seqlens_cpu, check_kda_inputs, check_serving_inputs
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "kda_gate", "available_backends", "BackendStatus",
            "BACKENDS"]
@@ -177,7 +177,8 @@ def chunk_kda(
     A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
     chunk_size: int = 64, backend: str = "auto", ssm_state_indices: Optional[torch.Tensor] = None,
     inplace_final_state: bool = False, return_intermediate_states: bool = False,
-    out: Optional[torch.Tensor] = None, pad_slot_id: int = -1,
+    out: Optional[torch.Tensor] = None, pad_slot_id: int = -1, *,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None, disable_recompute: bool = False,
 ):
     """Kimi Delta Attention for training and prefill: a drop-in for ``fla.ops.kda.chunk_kda``.
 
@@ -196,11 +197,22 @@ def chunk_kda(
             order: ``[B, NT, HV, K, V]`` (``[1, NT_total, ...]`` with ``cu_seqlens``), fp32 (fp64
             for fp64 inputs), in the requested layout; the call then returns ``(o, final_state, h)``.
             Inference only.
+        cu_seqlens_cpu: keyword only, FLA's host copy of ``cu_seqlens`` (same values, on the CPU);
+            checked like ``cu_seqlens`` and against it (when ``cu_seqlens`` is on the CPU).
+            Requires ``cu_seqlens``.
+        disable_recompute: keyword only, FLA's switch to keep intermediates for the backward
+            instead of recomputing them; a memory/speed trade-off that never changes the result.
+            Accepted for compatibility; the native backward always recomputes from checkpoints
+            every 64 tokens and the reference keeps what autograd keeps.
 
     The ``"reference"`` backend runs the chunkwise form (KDA_SPEC.md "Chunkwise form"; Kimi Linear
     report Eq. 10); ``"native"`` runs the fused recurrent C++ kernel (same result to rounding);
     ``"fla"`` calls FLA's Triton kernels.
     """
+    if not isinstance(disable_recompute, bool):
+        raise TypeError(f"disable_recompute must be a bool, got {type(disable_recompute).__name__}")
+    if cu_seqlens_cpu is not None:
+        check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, q)
     x, srv = check_serving_inputs(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
@@ -218,7 +230,7 @@ def chunk_kda(
     if chosen == "native":
         return _native.fused_recurrent(x)
     if chosen == "fla":
-        return _fla.chunk(x)
+        return _fla.chunk(x, cu_seqlens_cpu=cu_seqlens_cpu, disable_recompute=disable_recompute)
     return reference.run_reference(x, "chunk")
 
 

@@ -13,12 +13,13 @@ float64 for float64 ``q``; ``o`` comes back in ``q``'s dtype, the final state in
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ._checks import KDAInputs, ServingArgs, check_kda_inputs, check_gate_args
+from ._checks import KDAInputs, ServingArgs, check_gate_args, check_kda_inputs, check_value_domain
 
 __all__ = ["fused_recurrent_kda", "chunk_kda", "kda_gate", "l2norm"]
 
@@ -40,14 +41,25 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
     z = g.to(dtype)
     if dt_bias is not None:
         z = z + dt_bias.to(dtype).reshape(HV, K)
-    if lower_bound is None:
-        # softplus gate: g = -exp(A_log) * softplus(z)
-        rate = A_log.to(dtype).exp().reshape(HV, 1)
-        return -rate * F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
-    # bounded gate: g = lower_bound * sigmoid(exp(A_log) * z), in [lower_bound, 0)
+    saturated = None
     if A_log is not None:
-        z = A_log.to(dtype).exp().reshape(HV, 1) * z
-    return lower_bound * torch.sigmoid(z)
+        # Saturation (docs/math.md "Saturation"): where exp(A_log) overflows, the gate takes its
+        # limit (decay 0 for the softplus gate, a step for the bounded one) with zero gradient.
+        # A_log is replaced by 0 there BEFORE exp, so no inf enters the autograd graph (autograd
+        # would otherwise form 0 * inf = NaN in the backward of exp and of the products).
+        A = A_log.to(dtype).reshape(HV, 1)
+        saturated = A > math.log(torch.finfo(dtype).max)
+        rate = torch.where(saturated, torch.zeros_like(A), A).exp()
+    if lower_bound is None:
+        # softplus gate: g = -exp(A_log) * softplus(z); saturated: -inf (a decay of exactly 0)
+        g_log = -rate * F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
+        return torch.where(saturated, torch.full_like(g_log, -math.inf), g_log)
+    # bounded gate: g = lower_bound * sigmoid(exp(A_log) * z), in [lower_bound, 0);
+    # saturated: sigmoid(inf * z) = (sign(z) + 1) / 2
+    if A_log is None:
+        return lower_bound * torch.sigmoid(z)
+    s = torch.where(saturated, (torch.sign(z) + 1) / 2, torch.sigmoid(rate * z))
+    return lower_bound * s
 
 
 def kda_gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor] = None,
@@ -149,28 +161,36 @@ def _chunk_scan(q, k, v, g, beta, S, chunk_size: int):
     g = g.clamp(min=-FULL_FORGET)
     q, k, v, g = (x.unflatten(1, (-1, chunk_size)).permute(0, 3, 1, 2, 4) for x in (q, k, v, g))
     beta = beta.unflatten(1, (-1, chunk_size)).permute(0, 3, 1, 2)
-    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+    dtype = q.dtype
+    # The in-chunk cumulative log-decay G and its differences G_i - G_j are formed in float64:
+    # after strong decays G reaches thousands (64 steps of -100), where the float32 spacing
+    # (~5e-4) would swallow the small decays that follow (docs/math.md "Chunkwise form").
+    # Only the exponentials are rounded back to the compute dtype. (MPS has no float64.)
+    wide = torch.float64 if q.device.type != "mps" else dtype
+    exp_ = lambda x: x.exp().to(dtype)
+    eye = torch.eye(chunk_size, dtype=dtype, device=q.device)
     outputs = []
     for c in range(q.shape[2]):
         qc, kc, vc, bc = q[:, :, c], k[:, :, c], v[:, :, c], beta[:, :, c].unsqueeze(-1)
-        G = g[:, :, c].cumsum(dim=2)                                   # [n, h, C, K], <= 0
-        strict = _decay_matrix(G, G, -1)                               # exp(G_i - G_j), j < i
-        causal = _decay_matrix(G, G, 0)                                # exp(G_i - G_j), j <= i
+        G = g[:, :, c].to(wide).cumsum(dim=2)                          # [n, h, C, K], <= 0
+        strict = _decay_matrix(G, G, -1).to(dtype)                     # exp(G_i - G_j), j < i
+        causal = _decay_matrix(G, G, 0).to(dtype)                      # exp(G_i - G_j), j <= i
         Akk = bc * torch.einsum("nhik,nhjk,nhijk->nhij", kc, kc, strict)
         Aqk = torch.einsum("nhik,nhjk,nhijk->nhij", qc, kc, causal)
         # (I + Akk)^-1 by forward substitution on the unit lower-triangular system
         T_inv = lambda rhs: torch.linalg.solve_triangular(eye + Akk, rhs, upper=False, unitriangular=True)
-        W = T_inv(bc * kc * G.exp())
+        W = T_inv(bc * kc * exp_(G))
         U = T_inv(bc * vc)
         V_new = U - W @ S
-        outputs.append((qc * G.exp()) @ S + Aqk @ V_new)
+        outputs.append((qc * exp_(G)) @ S + Aqk @ V_new)
         G_last = G[:, :, -1:]                                          # [n, h, 1, K]
-        S = S * G_last.transpose(-1, -2).exp() + ((G_last - G).exp() * kc).transpose(-1, -2) @ V_new
+        S = S * exp_(G_last.transpose(-1, -2)) + (exp_(G_last - G) * kc).transpose(-1, -2) @ V_new
     o = torch.stack(outputs, dim=2).permute(0, 2, 3, 1, 4).flatten(1, 2)  # [n, T+pad, h, V]
     return o[:, :T], S
 
 
 def _run(x: KDAInputs, scan) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    check_value_domain(x)  # g <= 0, beta in [0, 2], beta ||k||^2 <= 2 (docs/bad_inputs.md)
     q, k, v, g, beta = _prepare(x)
     S0 = _initial_state(x)
     if x.cu_seqlens is None:
@@ -272,6 +292,7 @@ def run_serving_reference(x: KDAInputs, s: ServingArgs, method: str = "recurrent
     ``o`` is ``s.out`` when given; ``final_state`` is the pool itself for in-place calls, else a fresh
     ``[N, HV, K, V]`` state (or None without ``output_final_state``).
     """
+    check_value_domain(x)  # before anything is written to the pool (docs/bad_inputs.md)
     q, k, v, g, beta = _prepare(x)
     dtype, pool = x.compute_dtype, x.initial_state
 

@@ -17,8 +17,7 @@ and its test oracle; no code is taken from it):
 
 In :func:`torch_kda.chunk_kda`'s terms that is ``use_qk_l2norm_in_kernel=True``,
 ``use_gate_in_kernel=True``, ``use_beta_sigmoid_in_kernel=True``, ``safe_gate=True``,
-``lower_bound=lower_bound``, ``state_v_first=True`` (KDA_SPEC.md, "Gate and beta computed inside
-the op").
+``lower_bound=lower_bound``, ``state_v_first=True`` (docs/math.md, "Gates").
 
 Dispatch (``backend="auto"``): the real ``flash_kda.fwd`` when the package is importable and the
 call qualifies (CUDA tensors on an SM90+ GPU, bf16 inputs, ``D == 128``, fp32 ``A_log``/``dt_bias``,
@@ -31,13 +30,14 @@ on CPU, FLA or the reference on CUDA). The fallback also accepts fp16/fp32/fp64 
 from __future__ import annotations
 
 import importlib.util
-import math
 import numbers
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .._checks import check_cu_seqlens, check_scale
 
 __all__ = ["fwd", "flash_kda_unavailable_reason", "BACKENDS"]
 
@@ -100,10 +100,7 @@ def _check(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_st
     if H == 0 or D == 0:
         raise ValueError(f"q must have at least one head and a non-empty head dim, got shape {(B, T, H, D)}")
 
-    if scale is None:
-        scale = D ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite float, got {scale!r}")
+    scale = check_scale(scale, D)  # the functional API's rule: TypeError for types, ValueError for NaN/inf
 
     _tensor("A_log", A_log, 1, _PARAM_DTYPES)
     if tuple(A_log.shape) != (H,):
@@ -124,23 +121,10 @@ def _check(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_st
         raise ValueError(f"lower_bound must be in [-5, 0] (FlashKDA's gate range), got {lower_bound}")
 
     if cu_seqlens is not None:
-        _tensor("cu_seqlens", cu_seqlens, 1, (torch.int64, torch.int32))
-        if cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must have N + 1 >= 2 entries, got {cu_seqlens.numel()}")
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch size B must be 1 (packed sequences), got B={B}")
-        _same_device("cu_seqlens", cu_seqlens, q.device)
-        bounds = [int(c) for c in cu_seqlens.tolist()]
-        if bounds[0] != 0:
-            raise ValueError(f"cu_seqlens[0] must be 0, got {bounds[0]}")
-        if bounds[-1] != T:
-            raise ValueError(f"cu_seqlens[-1] must equal T={T}, got {bounds[-1]}")
-        for i in range(len(bounds) - 1):
-            if bounds[i + 1] < bounds[i]:
-                raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]={bounds[i]} > "
-                                 f"cu_seqlens[{i + 1}]={bounds[i + 1]}")
-        cu_seqlens = cu_seqlens.long()
-        N = len(bounds) - 1
+        # The functional API's validator; values checked also under torch.compile (FlashKDA
+        # itself checks nothing).
+        cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, q.device, compiled_too=True)
+        N = cu_seqlens.numel() - 1
     else:
         N = B
 
@@ -267,7 +251,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     Raises:
         TypeError: a non-tensor, mixed input dtypes, non-fp32/fp64 ``A_log``/``dt_bias``, states of
             two dtypes, non-integer ``cu_seqlens``, a non-numeric ``scale``/``lower_bound``.
-        ValueError: shapes that disagree with q, ``lower_bound`` outside ``[-5, 0]``, bad
+        ValueError: shapes that disagree with q, a NaN/infinite ``scale``, ``lower_bound`` outside
+            ``[-5, 0]``, bad
             ``cu_seqlens`` (B != 1, not starting at 0, decreasing, not ending at T), tensors on
             another device than q, an unknown ``backend``.
         RuntimeError: ``backend="flash_kda"`` where FlashKDA cannot run (the message says why), or

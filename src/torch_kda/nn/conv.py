@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._checks import check_cu_seqlens
+
 __all__ = ["ShortConvolution"]
 
 
@@ -78,25 +80,30 @@ class ShortConvolution(nn.Conv1d):
             cache: ``[N, D, W]`` (N = B, or ``len(cu_seqlens) - 1``), the last W inputs before
                 this call, as returned by a previous call; ``None`` means zeros. Not modified.
             output_final_state: also return the new cache.
-            cu_seqlens: ``[N + 1]`` integer offsets of packed sequences (zero lengths allowed: the
-                cache of such a sequence passes through unchanged).
+            cu_seqlens: ``[N + 1]`` int64/int32 offsets of packed sequences on ``x``'s device
+                (``B == 1``, starts at 0, non-decreasing, ends at T; zero lengths allowed: the
+                cache of such a sequence passes through unchanged). Checked by the functional
+                API's validator, eagerly and under ``torch.compile``.
 
         Returns:
             ``(y, final_state)``: ``y [B, T, D]`` in ``x.dtype``; ``final_state [N, D, W]`` in
             ``x.dtype`` (the last W inputs of each sequence, cache included), or ``None``.
 
         Raises:
-            ValueError: wrong shapes of ``x``, ``cache`` or ``cu_seqlens``.
+            TypeError: ``cu_seqlens`` not an int64/int32 tensor.
+            ValueError: wrong shapes of ``x`` or ``cache``; ``cu_seqlens`` not 1-D, with fewer
+                than 2 entries, ``B != 1``, on another device, not starting at 0, decreasing or
+                not ending at T.
         """
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"ShortConvolution: x expected [B, T, {self.hidden_size}], got {list(x.shape)}")
         B, T, D = x.shape
         W = self.kernel_size[0]
         if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError(f"ShortConvolution: with cu_seqlens, x expected batch size 1, got {B}")
-            if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-                raise ValueError(f"ShortConvolution: cu_seqlens expected shape [N + 1], got {list(cu_seqlens.shape)}")
+            # The functional API's validator (same errors); the values are checked also under
+            # torch.compile (outside the graph), since the gather below would silently read
+            # another sequence's tokens (or fail with an IndexError) for bad offsets.
+            cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, x.device, compiled_too=True)
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         if cache is not None and tuple(cache.shape) != (N, D, W):
             raise ValueError(f"ShortConvolution: cache expected shape {[N, D, W]}, got {list(cache.shape)}")

@@ -43,17 +43,32 @@ _HF_KEYS = (
 )
 
 
+# Fields that choose how the same function is computed; every other KDAConfig field is fixed by
+# the Hugging Face layer (softplus gate, beta in [0, 1], no grouped heads...), and changing it
+# would give a layer that computes another function than the weights were trained for.
+_HF_FREE_FIELDS = ("backend", "chunk_size", "layer_idx", "mode")
+
+
 def kda_config_from_hf(hf_config: Any, **overrides: Any) -> KDAConfig:
     """The :class:`KDAConfig` of the KDA layers of a Hugging Face ``KimiLinearConfig``.
 
     Reads ``hidden_size``, ``linear_num_heads``, ``linear_head_dim``, ``linear_conv_kernel_dim``,
     ``rms_norm_eps`` and ``hidden_act`` (duck-typed: any object with these attributes).
-    ``overrides`` set other fields (``backend``, ``chunk_size``, ``layer_idx``...).
+    ``overrides`` may set only the fields that do not change the function: ``backend``,
+    ``chunk_size``, ``layer_idx`` and ``mode``.
 
     Raises:
-        ValueError: ``hidden_act`` is not SiLU (this layer's short convolutions use SiLU), or an
-            invalid resulting config (see :class:`KDAConfig`).
+        ValueError: ``hidden_act`` is not SiLU (this layer's short convolutions use SiLU); an
+            override of another field (e.g. ``lower_bound``, ``safe_gate``, ``allow_neg_eigval``:
+            Kimi-Linear has the softplus gate and beta in [0, 1]), named; an invalid resulting
+            config (see :class:`KDAConfig`).
     """
+    changed = sorted(k for k in overrides if k not in _HF_FREE_FIELDS)
+    if changed:
+        raise ValueError(
+            f"overrides {changed}: the Hugging Face Kimi-Linear layer fixes these (softplus gate, "
+            f"beta in [0, 1], no grouped value heads, its own sizes), so the converted layer would "
+            f"compute another function; only {list(_HF_FREE_FIELDS)} may be overridden")
     act = getattr(hf_config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"hf_config.hidden_act: expected 'silu' (the KDA short-conv activation), got {act!r}")
@@ -135,7 +150,8 @@ def kda_from_hf_kimi_linear(
     """Build a :class:`~torch_kda.nn.KimiDeltaAttention` holding the weights of a Hugging Face
     Kimi-Linear KDA layer (a ``KimiLinearDeltaAttention`` module, or a state dict + ``prefix``).
 
-    ``overrides`` go to :func:`kda_config_from_hf` (e.g. ``backend="native"``). The result computes
+    ``overrides`` go to :func:`kda_config_from_hf` (only ``backend``, ``chunk_size``,
+    ``layer_idx``, ``mode``; e.g. ``backend="native"``). The result computes
     the same function as the Hugging Face layer (its output tensor) in fp32/fp64; ``A_log`` and
     ``dt_bias`` are kept in fp32 (fp64 if given so), the rest in the dtype of the given weights.
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 import torch_kda as _kda
 
+from .._checks import check_cu_seqlens
 from .cache import KDACache
 from .config import KDAConfig
 from .conv import ShortConvolution
@@ -176,6 +177,9 @@ class KimiDeltaAttention(nn.Module):
                 f"head_dim={c.head_dim}, head_v_dim={c.head_v_dim}, backend={c.backend!r}")
 
     # ------------------------------------------------------------------------------------------
+    def _fla_may_run(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cuda" and self.backend in ("auto", "fla")
+
     def _choose_op(self, T: int) -> str:
         # As FLA's layer: training and anything under autograd use the chunk op (FLA's recurrent op
         # has no backward); inference on short inputs (decoding) uses the recurrent op.
@@ -199,13 +203,16 @@ class KimiDeltaAttention(nn.Module):
             hidden_states: ``[B, T, M]``, any floating dtype (bf16/fp16 activations work with fp32
                 parameters: projections run in the activation dtype, the short convolutions, the
                 gate, the L2 norms and the output RMSNorm in fp32).
-            attention_mask: optional ``[B, T']`` padding mask, ``T' >= T`` (the last T columns are
-                used, as with a Hugging Face mask that covers past tokens too); nonzero = token,
-                0 = padding, on either side. The tokens of each row are packed into one sequence
-                (``cu_seqlens``), run, and scattered back; padded positions output zeros.
-            cu_seqlens: optional ``[N + 1]`` integer offsets of N sequences packed in a batch of
-                one (``B == 1``), as in FLA; the short convolutions and the recurrence restart at
-                each boundary. Not together with ``attention_mask``.
+            attention_mask: optional ``[B, T']`` padding mask in FLA's convention, ``T' >= T``
+                (the last T columns are used, as with a Hugging Face mask that covers past tokens
+                too): 1/True = token, 0/False = padding, on either side; bool, integer or float
+                0/1. An additive mask (0 = keep, -inf = pad) is rejected with a ValueError. The
+                tokens of each row are packed into one sequence (``cu_seqlens``), run, and
+                scattered back; padded positions output zeros.
+            cu_seqlens: optional ``[N + 1]`` int64/int32 offsets (a tensor, or a list of ints) of
+                N sequences packed in a batch of one (``B == 1``), as in FLA; the short
+                convolutions and the recurrence restart at each boundary. Not together with
+                ``attention_mask``.
             cache: optional :class:`KDACache`, read (an empty one means "start from zeros") and
                 updated in place with the conv states, the recurrent state (``[N, HV, V, K]``,
                 fp32) and ``seen_tokens``. N = B, or the number of sequences in ``cu_seqlens``.
@@ -220,9 +227,13 @@ class KimiDeltaAttention(nn.Module):
         Raises:
             RuntimeError: ``backend="fla"`` with a non-CUDA input (checked first, before any
                 projection runs); a backend that cannot run here (from the functional op).
-            ValueError: wrong shape of ``hidden_states``, ``attention_mask`` or ``cu_seqlens``;
-                both ``attention_mask`` and ``cu_seqlens``; ``use_cache=True`` without a cache;
-                a cache holding a different number of sequences.
+            TypeError: ``cu_seqlens`` neither an int64/int32 tensor nor a list of ints;
+                ``attention_mask`` not a tensor.
+            ValueError: wrong shape of ``hidden_states`` or ``attention_mask``; an
+                ``attention_mask`` with values other than 0/1 (e.g. an additive mask); bad
+                ``cu_seqlens`` (the functional API's checks); both ``attention_mask`` and
+                ``cu_seqlens``; ``use_cache=True`` without a cache; a cache holding a different
+                number of sequences.
         """
         if self.backend == "fla" and hidden_states.device.type != "cuda":
             raise RuntimeError(
@@ -245,20 +256,17 @@ class KimiDeltaAttention(nn.Module):
 
         indices = None
         if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
-                raise ValueError(
-                    f"attention_mask: expected a [B, T'] padding mask with B={B}, T'>={T} "
-                    f"(0 = padding), got shape {list(attention_mask.shape)}"
-                )
-            keep = attention_mask[:, attention_mask.shape[1] - T :].to(x.device) != 0
+            keep = _padding_mask_keep(attention_mask, B, T).to(x.device)
             indices = keep.reshape(-1).nonzero().squeeze(1)
             cu_seqlens = F.pad(keep.sum(1).cumsum(0), (1, 0))
             x = x.reshape(B * T, M).index_select(0, indices).unsqueeze(0)
         elif cu_seqlens is not None:
-            if B != 1:
-                raise ValueError(f"hidden_states: expected batch size 1 with cu_seqlens, got {B}")
-            if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-                raise ValueError(f"cu_seqlens: expected shape [N + 1], got {list(cu_seqlens.shape)}")
+            if isinstance(cu_seqlens, (list, tuple)):
+                if not all(isinstance(c, int) and not isinstance(c, bool) for c in cu_seqlens):
+                    raise TypeError(f"cu_seqlens: expected a tensor or a list of ints, got {cu_seqlens!r}")
+                cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)
+            # the functional API's validator (the short convolutions and the op check it too)
+            cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, x.device)
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         if cache is not None and not cache.is_empty and cache.num_sequences != N:
             raise ValueError(f"cache: expected state for {N} sequences, got {cache.num_sequences}")
@@ -284,6 +292,11 @@ class KimiDeltaAttention(nn.Module):
         k = k.reshape(*lead, self.num_heads, self.head_k_dim)
         v = v.reshape(*lead, self.num_v_heads, self.head_v_dim)
         g = g.reshape(*lead, self.num_v_heads, self.head_k_dim)
+        if x.dtype in (torch.float16, torch.bfloat16) and not self._fla_may_run(x):
+            # The op computes in fp32 whatever its input dtype; giving it fp32 inputs returns its
+            # fp32 output, which stays fp32 until the fp32 RMSNorm (an fp16 rounding of o before
+            # the norm overflows for large states). FLA keeps the activation dtype, as FLA's layer.
+            q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
 
         op_args = dict(
             q=q, k=k, v=v, g=g, beta=beta,
@@ -310,11 +323,40 @@ class KimiDeltaAttention(nn.Module):
             cache.seen_tokens += T
 
         gate = _linear(_linear(x, self.g_proj[0]), self.g_proj[1])
-        o = self.o_norm(o, gate.reshape(*lead, self.num_v_heads, self.head_v_dim))
+        o = self.o_norm(o, gate.reshape(*lead, self.num_v_heads, self.head_v_dim)).to(x.dtype)
         o = _linear(o.reshape(*lead, self.value_dim), self.o_proj)
         if indices is not None:
             o = o.new_zeros(B * T, M).index_copy(0, indices, o[0]).reshape(B, T, M)
         return o
+
+
+def _padding_mask_keep(attention_mask, B: int, T: int) -> torch.Tensor:
+    """``[B, T]`` bool "keep" of a padding mask in FLA's convention (1/True = token, 0 = padding).
+
+    Raises:
+        TypeError: not a tensor.
+        ValueError: not ``[B, T']`` with ``T' >= T``; values other than 0/1 (an additive mask,
+            0 = keep and -inf = pad, as Hugging Face attention uses, would keep the padding and
+            drop the tokens: named, not guessed).
+    """
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask: expected a [B, T'] tensor, got {type(attention_mask).__name__}")
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+        raise ValueError(
+            f"attention_mask: expected a [B, T'] padding mask with B={B}, T'>={T} "
+            f"(1/True = token, 0/False = padding), got shape {list(attention_mask.shape)}"
+        )
+    m = attention_mask[:, attention_mask.shape[1] - T:]
+    if m.dtype != torch.bool:
+        bad = (m != 0) & (m != 1)
+        if bool(bad.any()):
+            value = m[bad][0].item()
+            hint = (" (an additive mask, 0 = keep and -inf = pad? pass (mask == 0) instead)"
+                    if m.is_floating_point() and value < 0 else "")
+            raise ValueError(
+                f"attention_mask: expected a padding mask of 0/1 or False/True "
+                f"(1 = token, 0 = padding), got the value {value}{hint}")
+    return m != 0
 
 
 def build_kda(config: KDAConfig) -> KimiDeltaAttention:

@@ -1,0 +1,98 @@
+"""Saturated gate parameters give finite, correct gradients in every backend and gate form.
+
+``exp(A_log)`` overflows float32 for ``A_log > 88.7`` (float64: ``> 709.8``). The decay then
+reaches its limit (0 for the softplus gate; a step ``lower_bound * (sign(z) + 1) / 2`` for the
+bounded gate) and the true gradients through the gate are 0, not ``0 * inf = NaN``
+(docs/math.md "Saturation"). Checked against float64, where ``A_log = 100`` is still finite, and
+the float64 limit itself (``A_log = 800`` overflows float64) against ``A_log = 100``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_kda
+from kda_testing import make_problem, rel_err
+
+RUNS = {
+    "native": lambda p: torch_kda.chunk_kda(*p.args, **p.kwargs, backend="native"),
+    "reference_recurrent": lambda p: torch_kda.fused_recurrent_kda(*p.args, **p.kwargs,
+                                                                   backend="reference"),
+    "reference_chunk": lambda p: torch_kda.chunk_kda(*p.args, **p.kwargs, backend="reference",
+                                                     chunk_size=8),
+}
+NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def _problem(gate: str, a_log_first_head: float):
+    # B=1, T=16, H=2, K=V=8 (the issue's shape); head 0 saturated, head 1 ordinary.
+    p = make_problem(B=1, T=16, H=2, K=8, V=8, gate=gate, seed=41, lower_bound=-3.0)
+    p.kwargs["A_log"] = torch.tensor([a_log_first_head, 0.3], dtype=torch.float64)
+    return p
+
+
+def _grads(run, p, dtype):
+    x = p.to(dtype, requires_grad=True)
+    o, s = run(x)
+    gen = torch.Generator().manual_seed(7)
+    loss = (o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum() \
+        + (s.double() * torch.randn(s.shape, generator=gen, dtype=torch.float64)).sum()
+    loss.backward()
+    t = x.tensors()
+    return o, s, {n: t[n].grad for n in NAMES}
+
+
+@pytest.mark.parametrize("gate", ["softplus", "bounded"])
+@pytest.mark.parametrize("backend", RUNS)
+def test_saturated_gate_gradients_are_finite_and_match_float64(gate, backend):
+    p = _problem(gate, 100.0)  # exp(100) = 2.7e43: inf in float32, finite in float64
+    o32, s32, g32 = _grads(RUNS[backend], p, torch.float32)
+    o64, s64, g64 = _grads(RUNS[backend], p, torch.float64)
+    assert torch.isfinite(o32).all() and torch.isfinite(s32).all()
+    assert rel_err(o32, o64) < 1e-5 and rel_err(s32, s64) < 1e-5
+    for name in NAMES:
+        assert torch.isfinite(g32[name]).all(), f"{name}: non-finite gradient"
+        assert torch.isfinite(g64[name]).all(), f"{name}: non-finite float64 gradient"
+        assert rel_err(g32[name], g64[name]) < 1e-4, name
+    # The saturated head receives no gradient through its gate (its decay is pinned at the limit).
+    assert g64["A_log"][0] == 0 and g32["A_log"][0] == 0
+    assert (g32["g"][:, :, 0] == 0).all()
+
+
+@pytest.mark.parametrize("gate", ["softplus", "bounded"])
+@pytest.mark.parametrize("backend", RUNS)
+def test_float64_saturation_limit_equals_large_finite_rate(gate, backend):
+    # exp(800) overflows float64: the limit must equal the result at a huge but finite rate.
+    o_inf, s_inf, g_inf = _grads(RUNS[backend], _problem(gate, 800.0), torch.float64)
+    o_big, s_big, g_big = _grads(RUNS[backend], _problem(gate, 100.0), torch.float64)
+    assert rel_err(o_inf, o_big) < 1e-12 and rel_err(s_inf, s_big) < 1e-12
+    for name in NAMES:
+        assert torch.isfinite(g_inf[name]).all(), name
+        assert rel_err(g_inf[name], g_big[name]) < 1e-12, name
+
+
+@pytest.mark.parametrize("backend", RUNS)
+def test_log_decay_overflow_with_finite_rate_has_finite_gradients(backend):
+    # exp(88) is finite in float32 but exp(88) * softplus(z) overflows to -inf for z > 2.
+    p = _problem("softplus", 88.0)
+    p.g = p.g.abs() + 3.0
+    _, _, g32 = _grads(RUNS[backend], p, torch.float32)
+    _, _, g64 = _grads(RUNS[backend], p, torch.float64)
+    for name in NAMES:
+        assert torch.isfinite(g32[name]).all(), name
+        assert rel_err(g32[name], g64[name]) < 1e-4, name
+
+
+def test_kda_gate_saturated_values_and_gradients():
+    z = torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(2))
+    A = torch.tensor([100.0, -1.0], requires_grad=True)
+    g = torch_kda.kda_gate(z, A)
+    assert (g[:, 0] == float("-inf")).all() and torch.isfinite(g[:, 1]).all()
+    g.exp().sum().backward()
+    assert torch.isfinite(A.grad).all() and A.grad[0] == 0
+    zb = z.clone()
+    zb[0, 0, 0] = 0.0  # sigmoid(inf * 0): the step's midpoint, not NaN
+    gb = torch_kda.kda_gate(zb, torch.tensor([100.0, -1.0]), lower_bound=-2.0)
+    expected = -2.0 * (torch.sign(zb[:, 0]) + 1) / 2
+    assert torch.equal(gb[:, 0], expected)

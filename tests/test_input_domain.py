@@ -1,0 +1,167 @@
+"""Values outside the domain where the recurrence is defined are named, never computed into garbage.
+
+docs/bad_inputs.md, "Values outside the domain": a log-decay ``g > 0`` (without the in-op gate)
+and a precomputed ``beta`` outside ``[0, 2]`` (without the in-op sigmoid) raise a ValueError that
+names the argument, the value, where it is and the flag that fixes it, in every backend and both
+functions, eager and compiled, and in the native op called directly. Keys whose write strength
+``beta * ||k||^2`` exceeds 2 (possible only without the l2 norm) give a warning that names
+``use_qk_l2norm_in_kernel``. Valid inputs give neither.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torch_kda
+from kda_testing import make_problem
+
+FUNCS = {"chunk_kda": torch_kda.chunk_kda, "fused_recurrent_kda": torch_kda.fused_recurrent_kda}
+BACKENDS = ("native", "reference")
+
+
+def _problem(T=200, K=16, V=8, **kw):
+    """An issue-sized problem with a precomputed log-decay and precomputed beta."""
+    return make_problem(B=1, T=T, H=1, K=K, V=V, gate="none", beta_sigmoid=False, seed=31,
+                        dtype=torch.float32, **kw)
+
+
+def _call(fn, p, backend, **changes):
+    args = dict(zip(("q", "k", "v", "g", "beta"), p.args), **p.kwargs)
+    args.update(changes)
+    return fn(**args, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fn", FUNCS.values(), ids=FUNCS.keys())
+def test_linear_space_decay_is_rejected_with_its_index(fn, backend):
+    # A decay given in (0, 1) instead of its log: every g = +0.9 (the first offender is [0, 0, 0, 0]).
+    p = _problem()
+    with pytest.raises(ValueError, match=r"g must be a log-decay <= 0 .*g\[0, 0, 0, 0\] = 0\.9"):
+        _call(fn, p, backend, g=torch.full_like(p.g, 0.9))
+    # One g = +30 among valid values: named with its place.
+    g = p.g.clone()
+    g[0, 123, 0, 5] = 30.0
+    with pytest.raises(ValueError, match=r"g\[0, 123, 0, 5\] = 30.*use_gate_in_kernel=True"):
+        _call(fn, p, backend, g=g)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_positive_log_decay_in_a_packed_batch_names_the_flat_token(backend):
+    p = make_problem(H=2, HV=4, K=5, V=3, gate="none", beta_sigmoid=False, seqlens=(3, 0, 9),
+                     seed=32, dtype=torch.float32)
+    g = p.g.clone()
+    g[0, 7, 3, 4] = 1e-3
+    with pytest.raises(ValueError, match=r"g\[0, 7, 3, 4\]"):
+        _call(torch_kda.chunk_kda, p, backend, g=g)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fn", FUNCS.values(), ids=FUNCS.keys())
+def test_beta_outside_its_range_without_sigmoid_is_rejected(fn, backend):
+    p = _problem()
+    # precomputed beta = 3 (not a write strength; allow_neg_eigval's range is [0, 2])
+    with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\].*beta\[0, 0, 0\] = 3.*"
+                                         r"use_beta_sigmoid_in_kernel=True"):
+        _call(fn, p, backend, beta=torch.full_like(p.beta, 3.0))
+    # raw logits passed as strength: negative entries
+    logits = torch.randn(p.beta.shape, generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\].*use_beta_sigmoid_in_kernel"):
+        _call(fn, p, backend, beta=logits)
+    # the same logits with the flag that fixes it: accepted
+    o, _ = _call(fn, p, backend, beta=logits, use_beta_sigmoid_in_kernel=True)
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fn", FUNCS.values(), ids=FUNCS.keys())
+def test_unnormalised_keys_warn_and_name_the_l2norm_flag(fn, backend):
+    # randn q/k of dim 128 without the l2 norm: beta ||k||^2 ~ 64 >> 2
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K, V = 1, 16, 1, 128, 8
+    q, k = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = -torch.rand(B, T, H, K, generator=gen) * 0.1
+    beta = torch.rand(B, T, H, generator=gen) * 0.5 + 0.5
+    with pytest.warns(UserWarning, match=r"beta \* \|\|k\|\|\^2 = .* > 2 .*use_qk_l2norm_in_kernel=True"):
+        fn(q, k, v, g, beta, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o, _ = fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend)
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("gate", ["none", "softplus", "bounded"])
+@pytest.mark.parametrize("l2norm,beta_sigmoid,neg", [(True, True, True), (True, False, False),
+                                                     (False, True, False), (False, False, False)])
+def test_valid_inputs_give_no_error_and_no_warning(backend, gate, l2norm, beta_sigmoid, neg):
+    p = make_problem(B=2, T=9, H=2, HV=4, K=6, V=3, gate=gate, l2norm=l2norm,
+                     beta_sigmoid=beta_sigmoid, neg_eigval=neg, seed=33, dtype=torch.float32)
+    if not l2norm:
+        p.k = p.k / p.k.norm(dim=-1, keepdim=True).clamp_min(1.0)  # ||k|| <= 1: stable
+    if not beta_sigmoid:  # the whole precomputed range [0, 2] is valid, ends included
+        p.beta[0, 0, 0], p.beta[1, 8, 3] = 0.0, 2.0 if l2norm else 1.0
+    if gate == "none":
+        p.g[0, 1, 1, 2] = 0.0  # no decay at all: the boundary is valid
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for fn in FUNCS.values():
+            o, _ = _call(fn, p, backend)
+            assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_log_decay_propagates_instead_of_raising(backend):
+    p = _problem(T=12)
+    g = p.g.clone()
+    g[0, 4, 0, 1] = float("nan")
+    o, _ = _call(torch_kda.fused_recurrent_kda, p, backend, g=g)
+    assert torch.isnan(o[0, 4:]).any() and torch.isfinite(o[0, :4]).all()
+
+
+def _op_args(p, **changes):
+    names = ("scale", "initial_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+             "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "state_v_first",
+             "cu_seqlens", "A_log", "dt_bias")
+    call = dict(zip(("q", "k", "v", "g", "beta"), p.args))
+    call.update({n: p.kwargs.get(n, False) for n in names})
+    call.update(scale=p.q.shape[-1] ** -0.5, lower_bound=None, cu_seqlens=None, A_log=None,
+                dt_bias=None)
+    call.update(changes)
+    return list(call.values())
+
+
+def test_native_ops_called_directly_raise_value_error():
+    p = _problem(T=70)
+    g = p.g.clone()
+    g[0, 66, 0, 3] = 0.5
+    with pytest.raises(ValueError, match=r"kda::fused_recurrent: g must be a log-decay <= 0.*"
+                                         r"g\[0, 66, 0, 3\] = 0\.5"):
+        torch.ops.kda.fused_recurrent(*_op_args(p, g=g))
+    with pytest.raises(ValueError, match=r"beta\[0, 2, 0\] = -0\.25"):
+        beta = p.beta.clone()
+        beta[0, 2, 0] = -0.25
+        torch.ops.kda.fused_recurrent_fwd(*_op_args(p, beta=beta))
+    # the backward op alone (its pre-processing pass runs the same checks)
+    o, s, ck = torch.ops.kda.fused_recurrent_fwd(*_op_args(p))
+    with pytest.raises(ValueError, match=r"g\[0, 66, 0, 3\]"):
+        torch.ops.kda.fused_recurrent_bwd(torch.randn_like(o), None, ck, *_op_args(p, g=g))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_domain_errors_are_the_same_under_torch_compile(backend):
+    p = _problem(T=8, K=4, V=3)
+    g = p.g.clone()
+    g[0, 5, 0, 2] = 0.75
+
+    def f(q, k, v, g, beta):
+        return torch_kda.chunk_kda(q, k, v, g, beta, output_final_state=True, backend=backend)
+
+    compiled = torch.compile(f, backend="eager")
+    with pytest.raises(ValueError, match=r"g\[0, 5, 0, 2\] = 0\.75"):
+        compiled(p.q, p.k, p.v, g, p.beta)
+    with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\]"):
+        compiled(p.q, p.k, p.v, p.g, p.beta + 2.5)

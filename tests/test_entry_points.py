@@ -191,3 +191,16 @@ def test_chunk_kda_accepts_fla_cu_seqlens_cpu_and_disable_recompute():
         torch_kda.chunk_kda(*p.args, **no_cu, cu_seqlens_cpu=cu)
     with pytest.raises(TypeError, match="disable_recompute"):
         torch_kda.chunk_kda(*p.args, **p.kwargs, disable_recompute="yes")
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_layer_compiles_fullgraph_with_the_value_checks_in_place(backend):
+    # The layer's call (in-op gate, sigmoid beta, l2 norm) has no data-dependent check to run, so
+    # nothing leaves the graph.
+    torch.manual_seed(11)
+    layer = KimiDeltaAttention(hidden_size=16, head_dim=4, num_heads=2, backend=backend)
+    x = torch.randn(1, 3, 16, generator=torch.Generator().manual_seed(12))
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        assert rel_err(compiled(x), layer(x)) < 1e-6

@@ -1,5 +1,5 @@
 // CPU backward of the fused recurrent KDA: runs the backward kernels (recompute each chunk from
-// the forward's checkpoints, then the reverse recurrence of KDA_SPEC.md) over (sequence, value
+// the forward's checkpoints, then the reverse recurrence of docs/math.md "Backward") over (sequence, value
 // head, group of V-slices) units, sums the per-group partials in a fixed order, and chains the
 // gradients through the pre-processing (l2 norm, gate, sigmoid beta).
 //

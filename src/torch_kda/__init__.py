@@ -7,7 +7,7 @@
 - :mod:`torch_kda.nn`: the ``KimiDeltaAttention`` layer, weight-compatible with FLA's;
 - :func:`available_backends`: what runs here and why not the rest.
 
-The math is specified in KDA_SPEC.md (Kimi Linear report, arXiv 2510.26692).
+The math is specified in the repository's docs/math.md (Kimi Linear report, arXiv 2510.26692).
 """
 
 from . import compat, reference

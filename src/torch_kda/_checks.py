@@ -555,7 +555,6 @@ def _index(flat: int, shape) -> str:
     return "[" + ", ".join(str(i) for i in reversed(idx)) + "]"
 
 
-@torch.compiler.disable  # data-dependent: runs eagerly under torch.compile (a graph break)
 def check_value_domain(x: KDAInputs) -> None:
     """Reject values outside the domain where the recurrence is defined (docs/bad_inputs.md).
 
@@ -570,6 +569,15 @@ def check_value_domain(x: KDAInputs) -> None:
         ValueError: ``g > 0`` without ``use_gate_in_kernel`` (a log-decay must be <= 0); ``beta``
             outside ``[0, 2]`` without ``use_beta_sigmoid_in_kernel``.
     """
+    # With the in-op gate, sigmoid and l2 norm (the layer's call) there is nothing to check and
+    # nothing leaves the graph.
+    if not (x.use_gate_in_kernel and x.use_beta_sigmoid_in_kernel):
+        _check_value_domain(x)
+    warn_unstable_writes(x)
+
+
+@torch.compiler.disable  # data-dependent: runs eagerly under torch.compile (a graph break)
+def _check_value_domain(x: KDAInputs) -> None:
     with torch.no_grad():
         if not x.use_gate_in_kernel:
             bad = x.g > 0
@@ -588,7 +596,6 @@ def check_value_domain(x: KDAInputs) -> None:
                     f"beta must lie in [0, 2] with use_beta_sigmoid_in_kernel=False, got "
                     f"beta{_index(flat, x.beta.shape)} = {x.beta.flatten()[flat].item():g}; pass "
                     "use_beta_sigmoid_in_kernel=True if beta holds logits")
-    warn_unstable_writes(x)
 
 
 def warn_unstable_writes(x: KDAInputs) -> None:

@@ -87,7 +87,7 @@ def fused_recurrent_kda(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Kimi Delta Attention, token by token (the recurrent form; best for decoding).
 
-    Per sequence and value head, for t = 1..T (KDA_SPEC.md "Forward recurrence"; Kimi Linear
+    Per sequence and value head, for t = 1..T (docs/math.md "Forward recurrence"; Kimi Linear
     report, arXiv 2510.26692, Eq. 1)::
 
         S'_t = Diag(exp(g_t)) S_{t-1};  u_t = beta_t (v_t - S'_t^T k_t);  S_t = S'_t + k_t u_t^T;
@@ -205,7 +205,7 @@ def chunk_kda(
             Accepted for compatibility; the native backward always recomputes from checkpoints
             every 64 tokens and the reference keeps what autograd keeps.
 
-    The ``"reference"`` backend runs the chunkwise form (KDA_SPEC.md "Chunkwise form"; Kimi Linear
+    The ``"reference"`` backend runs the chunkwise form (docs/math.md "Chunkwise form"; Kimi Linear
     report Eq. 10); ``"native"`` runs the fused recurrent C++ kernel (same result to rounding);
     ``"fla"`` calls FLA's Triton kernels.
     """

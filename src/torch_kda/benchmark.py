@@ -23,7 +23,7 @@ hits all of them alike; medians are reported):
 Modes: ``fwd`` (forward under ``torch.no_grad()``) and ``fwd_bwd`` (forward + ``backward`` of a
 random output gradient under autograd, gradients of every input incl. ``A_log`` and ``dt_bias``).
 Rates: tokens/s = B*T / median seconds; FLOP rate with 8*K*V FLOPs per token per value head for
-the forward and 32*K*V for forward+backward (forward, recomputation, backward: KDA_SPEC.md),
+the forward and 32*K*V for forward+backward (forward, recomputation, backward: docs/math.md),
 as a percentage of the box's own fp32 GEMM rate, ``torch.mm`` of 2048 x 2048 matrices, sampled at
 every configuration with the same thread count (median of the samples).
 
@@ -150,7 +150,7 @@ def load_fla_naive():
 
 def _preprocess(t: Dict[str, torch.Tensor]):
     """The in-op pre-processing done in PyTorch for the baselines that take precomputed gates:
-    fp32 l2norm(q), l2norm(k), softplus gate (KDA_SPEC.md), sigmoid(beta)."""
+    fp32 l2norm(q), l2norm(k), softplus gate (docs/math.md "Gates"), sigmoid(beta)."""
     q = reference.l2norm(t["q"].float())
     k = reference.l2norm(t["k"].float())
     g = reference.kda_gate(t["g"], t["A_log"], t["dt_bias"])

@@ -1,7 +1,7 @@
 """Pure-PyTorch Kimi Delta Attention: the readable definition every fast path is tested against.
 
-Read beside ``KDA_SPEC.md`` (sections "Forward recurrence", "Gate and beta computed inside the
-op" and "Chunkwise form"); the math comes from the Kimi Linear technical report
+Read beside the repository's ``docs/math.md`` (sections "Forward recurrence", "Gates",
+"Saturation" and "Chunkwise form"); the math comes from the Kimi Linear technical report
 (arXiv 2510.26692, Eq. 1 and Eq. 10) and the public contract of flash-linear-attention's
 ``fla.ops.kda``. Everything here is ordinary autograd-traced PyTorch, so gradients of any order
 work on any device; nothing here is fast.
@@ -29,7 +29,7 @@ FULL_FORGET = 100.0  # chunkwise form: per-step log-decays are clamped at -FULL_
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
-    """``x / sqrt(sum(x**2, -1) + eps)`` along the last axis (KDA_SPEC.md, first line of the recurrence)."""
+    """``x / sqrt(sum(x**2, -1) + eps)`` along the last axis (docs/math.md "Forward recurrence", first line)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
@@ -80,8 +80,8 @@ def kda_gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[t
         TypeError / ValueError: wrong types, shapes, missing ``A_log`` for the softplus gate,
         ``lower_bound >= 0``.
 
-    Source: Kimi Linear report (arXiv 2510.26692) and FLA's ``fla.ops.kda.gate``; KDA_SPEC.md,
-    "Gate and beta computed inside the op".
+    Source: Kimi Linear report (arXiv 2510.26692) and FLA's ``fla.ops.kda.gate``; docs/math.md
+    "Gates" and "Saturation".
     """
     check_gate_args(g, A_log, dt_bias, lower_bound)
     return _gate(g, A_log, dt_bias, lower_bound)
@@ -117,7 +117,7 @@ def _initial_state(x: KDAInputs) -> torch.Tensor:
 
 
 def _recurrent_scan(q, k, v, g, beta, S):
-    """Token-by-token recurrence (KDA_SPEC.md "Forward recurrence") on ``[n, t, HV, *]`` tensors."""
+    """Token-by-token recurrence (docs/math.md "Forward recurrence") on ``[n, t, HV, *]`` tensors."""
     outputs = []
     for t in range(q.shape[1]):
         S = S * g[:, t].exp().unsqueeze(-1)                           # S' = Diag(a_t) S
@@ -144,7 +144,7 @@ def _decay_matrix(G_rows: torch.Tensor, G_cols: torch.Tensor, diagonal: int) -> 
 
 
 def _chunk_scan(q, k, v, g, beta, S, chunk_size: int):
-    """Chunkwise form (KDA_SPEC.md "Chunkwise form", WY/UT transform) on ``[n, t, HV, *]`` tensors."""
+    """Chunkwise form (docs/math.md "Chunkwise form", WY/UT transform) on ``[n, t, HV, *]`` tensors."""
     n, T = q.shape[:2]
     if T == 0:
         return v.new_zeros(v.shape), S
@@ -226,7 +226,7 @@ def fused_recurrent_kda(
     """KDA by its token-by-token recurrence, in plain PyTorch (the definition).
 
     Same arguments, shapes, dtypes and errors as :func:`torch_kda.fused_recurrent_kda`; see its
-    docstring. Differentiable to any order. Source: KDA_SPEC.md "Forward recurrence"
+    docstring. Differentiable to any order. Source: docs/math.md "Forward recurrence"
     (Kimi Linear report, arXiv 2510.26692, Eq. 1).
     """
     x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -254,7 +254,7 @@ def chunk_kda(
     Inf input can also reach EARLIER outputs of its own chunk (the chunk's matrix products
     multiply masked zeros by it); other sequences are never affected. Differentiable to any
     order. Source:
-    KDA_SPEC.md "Chunkwise form" (Kimi Linear report, arXiv 2510.26692, Eq. 10).
+    docs/math.md "Chunkwise form" (Kimi Linear report, arXiv 2510.26692, Eq. 10).
     """
     x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
                          use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,

@@ -42,7 +42,7 @@ Data make_data(const Problem& p, uint64_t seed, bool gate_raw = true) {
   return d;
 }
 
-// Naive recurrence of KDA_SPEC.md, one token at a time; h0 in [N, HV, K, V]; one sequence per
+// Naive recurrence of docs/math.md, one token at a time; h0 in [N, HV, K, V]; one sequence per
 // batch row. Gate in op: softplus form (lower_bound unset) or bounded form.
 std::tuple<Tensor, Tensor> naive(const Tensor& q, const Tensor& k, const Tensor& v,
                                  const Tensor& g, const Tensor& beta, double scale,

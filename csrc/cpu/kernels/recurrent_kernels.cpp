@@ -6,7 +6,7 @@
 // vectors than the registers (64-byte vectors under AVX2) made GCC 12 move halves through general
 // registers and the stack: the AVX2 kernels ran at ~10% of the GEMM rate instead of ~75%.
 //
-// Math: ../../../KDA_SPEC.md ("Forward recurrence", "Backward of the recurrence"). A unit owns a
+// Math: docs/math.md ("Forward recurrence", "Backward"). A unit owns a
 // K x W slice of the state (W <= 32 floats: 16 KB at K = 128, resident in L1 for all T) and never
 // allocates inside its time loop.
 #include "cpu/kernels/recurrent_kernels.h"

@@ -5,7 +5,7 @@
 // with CPU, Meta and Autograd kernels; kda::fused_recurrent() below calls the registered op, so
 // gradients flow through it in a pure C++ program (tensor.backward()).
 //
-// Math: KDA_SPEC.md (shared with the project). Per sequence and value head, t = 1..T:
+// Math: docs/math.md in the repository. Per sequence and value head, t = 1..T:
 //   S'_t = Diag(exp(g_t)) S_{t-1};  u_t = beta_t (v_t - S'_t^T k_t);  S_t = S'_t + k_t u_t^T;
 //   o_t = S_t^T (scale * q_t)
 #pragma once

@@ -2,7 +2,7 @@
 
 Every available CPU backend (``native``; ``reference`` in its chunkwise and recurrent forms) runs
 small random KDA problems in float32, forward and backward, and is compared with a float64 run of
-the reference recurrence (the definition, KDA_SPEC.md "Forward recurrence"): the output, the final
+the reference recurrence (the definition, docs/math.md "Forward recurrence"): the output, the final
 state and the gradients of every input, each by relative error ``||x - x64|| / ||x64||``. The
 native backend is also compared with the float32 reference directly. The cases cover grouped value
 heads (GVA), packed variable-length sequences (``cu_seqlens``, with an empty one), both in-op gate

@@ -219,7 +219,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     """FlashKDA forward (Kimi Delta Attention, inference): ``flash_kda.fwd``'s contract, any device.
 
     Per sequence and head, with ``q̂, k̂`` the L2-normalised q, k, ``β = sigmoid(beta)`` and
-    ``γ = lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h]))`` (KDA_SPEC.md)::
+    ``γ = lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h]))`` (docs/math.md "Gates")::
 
         S_t = Diag(exp γ_t) S_{t-1} + k̂_t β_t (v_t − (Diag(exp γ_t) S_{t-1})ᵀ k̂_t)ᵀ
         out_t = S_tᵀ (scale · q̂_t)

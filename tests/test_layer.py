@@ -308,7 +308,7 @@ def test_mask_and_shape_errors():
         layer(x[:1], attention_mask=torch.ones(1, 5), cu_seqlens=torch.tensor([0, 5]))
     with pytest.raises(ValueError, match=r"attention_mask: expected a \[B, T'\]"):
         layer(x, attention_mask=torch.ones(2, 4))
-    with pytest.raises(ValueError, match="batch size 1 with cu_seqlens"):
+    with pytest.raises(ValueError, match="with cu_seqlens the batch size B must be 1"):
         layer(x, cu_seqlens=torch.tensor([0, 5]))
     with pytest.raises(ValueError, match=r"hidden_states: expected shape \[B, T, 32\]"):
         layer(x[..., :16])

@@ -165,3 +165,18 @@ def test_domain_errors_are_the_same_under_torch_compile(backend):
         compiled(p.q, p.k, p.v, g, p.beta)
     with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\]"):
         compiled(p.q, p.k, p.v, p.g, p.beta + 2.5)
+
+
+def test_positive_log_decay_in_a_later_token_block_of_the_native_forward():
+    # T = 5000 with tiny heads: the native forward pre-processes 4096-token blocks; an offender in
+    # the second block is found (and named by its global token index) as well.
+    p = make_problem(B=1, T=5000, H=1, K=4, V=4, gate="none", beta_sigmoid=False, seed=34,
+                     initial_state=False, dtype=torch.float32)
+    g = p.g.clone()
+    g[0, 4500, 0, 1] = 0.25
+    with pytest.raises(ValueError, match=r"g\[0, 4500, 0, 1\] = 0\.25"):
+        _call(torch_kda.chunk_kda, p, "native", g=g)
+    beta = p.beta.clone()
+    beta[0, 4999, 0] = 2.5
+    with pytest.raises(ValueError, match=r"beta\[0, 4999, 0\] = 2\.5"):
+        _call(torch_kda.fused_recurrent_kda, p, "native", beta=beta)

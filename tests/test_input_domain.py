@@ -180,3 +180,25 @@ def test_positive_log_decay_in_a_later_token_block_of_the_native_forward():
     beta[0, 4999, 0] = 2.5
     with pytest.raises(ValueError, match=r"beta\[0, 4999, 0\] = 2\.5"):
         _call(torch_kda.fused_recurrent_kda, p, "native", beta=beta)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_serving_calls_reject_out_of_domain_values_before_touching_the_pool(backend):
+    # The decode path with a state pool has its own kernels: the same checks, and a rejected call
+    # leaves the pool bitwise unchanged.
+    p = make_problem(B=3, T=1, H=2, HV=4, K=8, V=8, gate="none", beta_sigmoid=False, seed=35,
+                     initial_state=False, output_final_state=False, dtype=torch.float32)
+    p.kwargs.pop("state_v_first")
+    pool = torch.randn(5, 4, 8, 8, generator=torch.Generator().manual_seed(36))
+    before = pool.clone()
+    idx = torch.tensor([4, 0, 2])
+    g = p.g.clone()
+    g[2, 0, 1, 3] = 0.5
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"g\[2, 0, 1, 3\] = 0\.5"):
+            _call(torch_kda.fused_recurrent_kda, p, backend, g=g, initial_state=pool,
+                  ssm_state_indices=idx, inplace_final_state=True)
+        with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\]"):
+            _call(torch_kda.fused_recurrent_kda, p, backend, beta=p.beta + 3, initial_state=pool,
+                  ssm_state_indices=idx, inplace_final_state=True)
+    assert torch.equal(pool, before)

@@ -21,7 +21,7 @@ template <typename T>
 struct ServingArgs {
   int64_t H = 0, HV = 0, K = 0, V = 0;
   bool v_first = false;        // states are [.., V, K] (a value column's row contiguous over K)
-  // Pre-processing (KDA_SPEC.md "Gate and beta computed inside the op").
+  // Pre-processing (docs/math.md "Gates").
   T scale = 1;
   bool l2norm = false;
   GateMode gate = GateMode::kNone;

@@ -795,17 +795,25 @@ GGML_DECODE_US = {(1, 1): 230.0, (8, 1): 2745.0, (8, 2): 1448.0}
 
 
 def _interleaved_medians(fns: Dict[str, Callable[[], Any]], reps: int, warmup: int = 3
-                         ) -> Dict[str, float]:
+                         ) -> Dict[str, Tuple[float, float]]:
+    """name -> (median wall seconds, median process CPU seconds) over interleaved repetitions.
+
+    The CPU time (all threads of this process) is kept beside the wall time because on a shared
+    box the wall time of a memory-bound call also measures the other tenants; at one thread the
+    ratio of two CPU times is the cleaner comparison."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: Dict[str, List[float]] = {name: [] for name in fns}
+    cpu: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
+            c0 = time.process_time()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            cpu[name].append(time.process_time() - c0)
+    return {name: (statistics.median(times[name]), statistics.median(cpu[name])) for name in fns}
 
 
 def _serving_inputs(B: int, H: int, K: int, seed: int = 0):
@@ -870,10 +878,11 @@ def serving_rows(batches: Sequence[int] = (1, 8, 64), threads: Sequence[int] = (
                        "copy_fp32": lambda: dst32.copy_(src32), "copy_bf16": lambda: dst16.copy_(src16)}
                 with torch.no_grad():
                     med = _interleaved_medians(fns, reps)
-                for name, sec in med.items():
+                for name, (sec, cpu) in med.items():
                     nbytes = 2 * state_bytes // (2 if "bf16" in name else 1)
                     rows.append(dict(row=name, B=B, H=H, K=K, threads=th, seconds=sec,
-                                     gbps=nbytes / sec / 1e9))
+                                     cpu_seconds=cpu, gbps=nbytes / sec / 1e9,
+                                     cpu_gbps=nbytes / max(cpu, 1e-9) / 1e9))
             # speculative verify: N x drafts tokens in one call vs drafts decode calls
             N, D = spec_batch, spec_drafts
             t, f = make_inputs(Shape(N, D, H, H, K, K), torch.float32, seed=2)
@@ -896,9 +905,9 @@ def serving_rows(batches: Sequence[int] = (1, 8, 64), threads: Sequence[int] = (
                                                   backend="native")
             with torch.no_grad():
                 med = _interleaved_medians({"spec_verify": verify, "spec_sequential": sequential}, reps)
-            for name, sec in med.items():
+            for name, (sec, cpu) in med.items():
                 rows.append(dict(row=name, B=N, H=H, K=K, threads=th, seconds=sec, drafts=D,
-                                 gbps=float("nan")))
+                                 cpu_seconds=cpu, gbps=float("nan"), cpu_gbps=float("nan")))
     finally:
         torch.set_num_threads(old_threads)
     return rows
@@ -934,13 +943,27 @@ def format_serving(rows: List[dict]) -> str:
             f"{rec['seconds'] / p32k['seconds']:.2f}x | {p32k['seconds'] / p16k['seconds']:.2f}x | "
             + (f"{ggml:,.0f} us (plain K {ggml / (pk['seconds'] * 1e6):.2f}x, V {ggml / (pv['seconds'] * 1e6):.2f}x)"
                if ggml else "") + " |")
-    lines += ["", "| speculative verify | thr | one call (N x drafts) | drafts sequential calls | ratio |",
-              "|---|---|---|---|---|"]
+    lines += ["", "Process CPU time (all threads), the same calls: % of copy_'s bytes per CPU-second",
+              "", "| B | thr | plain K / V | recurrent | pool fp32 K / V | pool bf16 K / V | fp32 pool vs recurrent | bf16 vs fp32 pool |",
+              "|---|---|---|---|---|---|---|---|"]
+    for B, th in keys:
+        c32, c16 = get("copy_fp32", B, th), get("copy_bf16", B, th)
+
+        def pc(name, copy):
+            return f"{100 * get(name, B, th)['cpu_gbps'] / copy['cpu_gbps']:.0f}%"
+        lines.append(
+            f"| {B} | {th} | {pc('plain_k', c32)} / {pc('plain_v', c32)} | {pc('recurrent', c32)} | "
+            f"{pc('pool_fp32_k', c32)} / {pc('pool_fp32_v', c32)} | {pc('pool_bf16_k', c16)} / {pc('pool_bf16_v', c16)} | "
+            f"{get('recurrent', B, th)['cpu_seconds'] / get('pool_fp32_k', B, th)['cpu_seconds']:.2f}x | "
+            f"{get('pool_fp32_k', B, th)['cpu_seconds'] / get('pool_bf16_k', B, th)['cpu_seconds']:.2f}x |")
+    lines += ["", "| speculative verify | thr | one call (N x drafts) | drafts sequential calls | ratio (wall) | ratio (CPU) |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
         if r["row"] == "spec_verify":
             s = get("spec_sequential", r["B"], r["threads"])
             lines.append(f"| N={r['B']} x {r['drafts']} drafts | {r['threads']} | {r['seconds'] * 1e6:,.0f} us | "
-                         f"{s['seconds'] * 1e6:,.0f} us | {s['seconds'] / r['seconds']:.2f}x |")
+                         f"{s['seconds'] * 1e6:,.0f} us | {s['seconds'] / r['seconds']:.2f}x | "
+                         f"{s['cpu_seconds'] / r['cpu_seconds']:.2f}x |")
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ expected and the actual value (DESIGN.md, "Policies"), and return a normalised b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import warnings
@@ -16,6 +17,20 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+
+def _outside_graph(fn):
+    """Run ``fn`` eagerly, outside the graph, when ``torch.compile`` traces a call to it.
+
+    ``torch.compiler.disable`` is applied at call time, not at import: applying it imports
+    torch._dynamo (and with it triton, where installed), which ``import torch_kda`` must not.
+    """
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return call
+
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int64, torch.int32)
@@ -189,7 +204,7 @@ def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, q) -> None:
                          f"{cu_seqlens_cpu.tolist()} and {cu_seqlens.tolist()}")
 
 
-@torch.compiler.disable
+@_outside_graph
 def _check_cu_seqlens_values_outside_graph(cu_seqlens: torch.Tensor, T: int, name: str) -> None:
     # Runs eagerly even when called from compiled code (a graph break): for consumers that use
     # the offsets on the device without ever reading them on the host (ShortConvolution).
@@ -576,7 +591,7 @@ def check_value_domain(x: KDAInputs) -> None:
     warn_unstable_writes(x)
 
 
-@torch.compiler.disable  # data-dependent: runs eagerly under torch.compile (a graph break)
+@_outside_graph  # data-dependent: runs eagerly under torch.compile (a graph break)
 def _check_value_domain(x: KDAInputs) -> None:
     with torch.no_grad():
         if not x.use_gate_in_kernel:
@@ -617,7 +632,7 @@ def warn_unstable_writes(x: KDAInputs) -> None:
     _warn_unstable_writes(x)
 
 
-@torch.compiler.disable  # data-dependent: runs eagerly under torch.compile (a graph break)
+@_outside_graph  # data-dependent: runs eagerly under torch.compile (a graph break)
 def _warn_unstable_writes(x: KDAInputs) -> None:
     with torch.no_grad():
         beta = x.beta.to(x.compute_dtype)

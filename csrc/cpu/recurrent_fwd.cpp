@@ -104,6 +104,24 @@ void fill_prep(kernels::PrepArgs<T>& P, const at::Tensor& q, const at::Tensor& k
   P.g_out = ptr_or_null<T>(p.g);
   P.s_out = ptr_or_null<T>(p.gate_s);
 }
+
+template <typename T>
+kernels::PrepArgs<T> make_prep_args(const Config& cfg, const Dims& d, int64_t stride) {
+  kernels::PrepArgs<T> P;
+  P.BT = stride;
+  P.H = d.H;
+  P.HV = d.HV;
+  P.K = d.K;
+  P.scale = cfg.scale;
+  P.l2norm = cfg.use_qk_l2norm_in_kernel;
+  P.gate = !cfg.use_gate_in_kernel ? kernels::GateMode::kNone
+           : cfg.lower_bound       ? kernels::GateMode::kBounded
+                                   : kernels::GateMode::kSoftplus;
+  P.lower_bound = cfg.lower_bound.value_or(0.0);
+  P.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
+  P.beta_mult = cfg.allow_neg_eigval ? 2.0 : 1.0;
+  return P;
+}
 }  // namespace
 
 Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for_backward) {
@@ -138,29 +156,13 @@ Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for
   for (const at::Tensor* t : {&p.q, &p.k_hm, &p.a, &p.ak, &p.g, &p.gate_s}) {
     if (t->defined()) advise_huge_pages(*t);
   }
-  auto set_common = [&](auto& P) {
-    P.BT = BT;
-    P.H = d.H;
-    P.HV = d.HV;
-    P.K = d.K;
-    P.scale = cfg.scale;
-    P.l2norm = cfg.use_qk_l2norm_in_kernel;
-    P.gate = !cfg.use_gate_in_kernel ? kernels::GateMode::kNone
-             : cfg.lower_bound       ? kernels::GateMode::kBounded
-                                     : kernels::GateMode::kSoftplus;
-    P.lower_bound = cfg.lower_bound.value_or(0.0);
-    P.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
-    P.beta_mult = cfg.allow_neg_eigval ? 2.0 : 1.0;
-  };
   FirstBad bad;
   if (ct == at::kDouble) {
-    kernels::PrepArgs<double> P;
-    set_common(P);
+    kernels::PrepArgs<double> P = make_prep_args<double>(cfg, d, BT);
     fill_prep<double>(P, q, k, g, beta, expA, bias, p);
     run_prep<double>(P, bad);
   } else {
-    kernels::PrepArgs<float> P;
-    set_common(P);
+    kernels::PrepArgs<float> P = make_prep_args<float>(cfg, d, BT);
     fill_prep<float>(P, q, k, g, beta, expA, bias, p);
     run_prep<float>(P, bad);
   }
@@ -271,23 +273,6 @@ BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt) {
   return p;
 }
 
-template <typename T>
-kernels::PrepArgs<T> make_prep_args(const Config& cfg, const Dims& d, int64_t stride) {
-  kernels::PrepArgs<T> P;
-  P.BT = stride;
-  P.H = d.H;
-  P.HV = d.HV;
-  P.K = d.K;
-  P.scale = cfg.scale;
-  P.l2norm = cfg.use_qk_l2norm_in_kernel;
-  P.gate = !cfg.use_gate_in_kernel ? kernels::GateMode::kNone
-           : cfg.lower_bound       ? kernels::GateMode::kBounded
-                                   : kernels::GateMode::kSoftplus;
-  P.lower_bound = cfg.lower_bound.value_or(0.0);
-  P.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
-  P.beta_mult = cfg.allow_neg_eigval ? 2.0 : 1.0;
-  return P;
-}
 
 template <typename T>
 void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,

@@ -916,13 +916,10 @@ def serving_rows(batches: Sequence[int] = (1, 8, 64), threads: Sequence[int] = (
 def format_serving(rows: List[dict]) -> str:
     """Markdown tables of :func:`serving_rows` (us/call, GB/s, % of copy bandwidth, ratios)."""
     def get(name, B, th):
-        for r in rows:
-            if r["row"] == name and r["B"] == B and r["threads"] == th:
-                return r
-        return None
+        return _find(rows, row=name, B=B, threads=th)
 
     lines = ["| B | thr | copy GB/s | plain K-first | plain V-first | V/K | recurrent kernel | "
-             "pool fp32 K / V | pool bf16 K / V | fp32 pool vs recurrent | bf16 vs fp32 pool | ggml (issue 13) |",
+             "pool fp32 K / V | pool bf16 K / V | fp32 pool vs recurrent | bf16 vs fp32 pool | ggml (quoted, not this run) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["B"], r["threads"]) for r in rows if r["row"] == "copy_fp32"})
     for B, th in keys:

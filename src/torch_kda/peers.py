@@ -45,7 +45,7 @@ import torch
 
 import torch_kda
 from torch_kda import reference
-from torch_kda.benchmark import Shape, gemm_gflops, machine_info
+from torch_kda.benchmark import Shape, _find, gemm_gflops, machine_info
 
 __all__ = ["PREFILL_SHAPES", "DECODE_SHAPES", "peer_inputs", "Ggml", "ExecuTorch", "run_peers",
            "format_peers", "bench_peers"]
@@ -336,15 +336,8 @@ def run_peers(peers_dir: str, shapes: Sequence[Shape] = PREFILL_SHAPES + DECODE_
     return results
 
 
-def _get(results, **kw) -> Optional[dict]:
-    for r in results:
-        if all(r.get(k) == v for k, v in kw.items()):
-            return r
-    return None
-
-
 def format_peers(results: List[dict]) -> str:
-    """Markdown: the issue-13 table (prefill tokens/s, decode µs/call) with ratios, then agreement."""
+    """Markdown: the peer table (prefill tokens/s, decode µs/call) with ratios, then agreement."""
     timed = [r for r in results if r["kind"] == "time"]
     threads = sorted({r["threads"] for r in timed})
     shapes = []
@@ -361,7 +354,7 @@ def format_peers(results: List[dict]) -> str:
             if not dec and ours == "ours_vfirst":
                 continue
             for n in threads:
-                get = {m: _get(timed, impl=m, threads=n, **sd) for m in (ours, "ggml", "executorch")}
+                get = {m: _find(timed, impl=m, threads=n, **sd) for m in (ours, "ggml", "executorch")}
                 if get[ours] is None:
                     continue
                 if dec:

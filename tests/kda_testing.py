@@ -84,8 +84,9 @@ def make_problem(
 
     q, k = rnd(B, T, H, K), rnd(B, T, H, K)
     v = rnd(B, T, HV, V)
-    if not l2norm:  # keep the un-normalised recurrence stable: |k| ~ 1
-        q, k = q / K ** 0.5, k / K ** 0.5
+    if not l2norm:  # keep the un-normalised recurrence stable: |q| ~ 1 and |k| <= 1, so that
+        q, k = q / K ** 0.5, k / K ** 0.5  # beta * |k|^2 <= 2 (docs/math.md "Domain of the inputs")
+        k = k / k.norm(dim=-1, keepdim=True).clamp(min=1.0)
     kwargs: Dict = dict(use_qk_l2norm_in_kernel=l2norm, output_final_state=output_final_state,
                         state_v_first=state_v_first)
     if gate == "none":

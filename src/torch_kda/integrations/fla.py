@@ -90,14 +90,16 @@ def _chunk_kda(
     if cp_context is not None:
         raise ValueError("cp_context: torch-kda's CPU backend for FLA has no context parallelism "
                          f"(it splits a sequence across GPUs); expected None, got {type(cp_context).__name__}")
-    cu_seqlens = _merge_cu_seqlens(cu_seqlens, cu_seqlens_cpu)
+    # FLA reads cu_seqlens_cpu only beside cu_seqlens; torch_kda.chunk_kda checks that they agree.
+    cu_seqlens_cpu = cu_seqlens_cpu if cu_seqlens is not None else None
     A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
     chunk_size = kwargs.get("chunk_size", 64)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                   safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first,
-                  cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size)
+                  cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
+                  cu_seqlens_cpu=cu_seqlens_cpu)
     if return_intermediate_states:
         if not torch.is_inference_mode_enabled():
             raise ValueError("return_intermediate_states=True is inference only (as in FLA): call it "
@@ -180,18 +182,6 @@ def _deprecated_layout_name(state_v_first: bool, kwargs: Dict[str, Any]) -> bool
     warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
                   DeprecationWarning, stacklevel=3)
     return bool(kwargs.pop("transpose_state_layout"))
-
-
-def _merge_cu_seqlens(cu_seqlens: Optional[torch.Tensor],
-                      cu_seqlens_cpu: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    # FLA passes a host copy beside the device tensor so its kernels can plan without a sync; on the
-    # CPU both are the same offsets, and a disagreement is a caller's bug worth naming.
-    if cu_seqlens is None or cu_seqlens_cpu is None:
-        return cu_seqlens
-    if cu_seqlens_cpu.shape != cu_seqlens.shape or not torch.equal(cu_seqlens_cpu.long(), cu_seqlens.long()):
-        raise ValueError(f"cu_seqlens_cpu must equal cu_seqlens, got {cu_seqlens_cpu.tolist()} vs "
-                         f"{cu_seqlens.tolist()}")
-    return cu_seqlens
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,6 +6,10 @@
 //                             every kChunk tokens for the backward.
 //   kda::fused_recurrent_bwd  the analytic backward (first order); its Autograd kernel makes a
 //                             second-order gradient an error that names backend="reference".
+//   kda::chunk, chunk_fwd     the chunkwise forward (csrc/cpu/chunk_fwd.cpp) with the schemas,
+//                             checks, Meta kernels and autograd of fused_recurrent /
+//                             fused_recurrent_fwd; its backward is kda::chunk_bwd where registered,
+//                             else fused_recurrent_bwd (both read the same checkpoints).
 // Tracing (torch.compile / AOTAutograd) sees fused_recurrent_fwd and fused_recurrent_bwd, both
 // with Meta kernels.
 #include <kda/kda.h>
@@ -260,6 +264,21 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent_cpu(KDA_OP_ARGS) {
   return {std::get<0>(r), std::get<1>(r)};
 }
 
+// The chunkwise forward (csrc/cpu/chunk_fwd.cpp): the contract of the two kernels above, equal
+// to rounding; its checkpoints feed either backward.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_fwd_cpu_op(KDA_OP_ARGS) {
+  const Inputs in = KDA_OP_INPUTS;
+  check_cpu(in);
+  return chunk_fwd_cpu(in, KDA_OP_CONFIG, /*with_checkpoints=*/true);
+}
+
+std::tuple<at::Tensor, at::Tensor> chunk_cpu(KDA_OP_ARGS) {
+  const Inputs in = KDA_OP_INPUTS;
+  check_cpu(in);
+  auto r = chunk_fwd_cpu(in, KDA_OP_CONFIG, /*with_checkpoints=*/false);
+  return {std::get<0>(r), std::get<1>(r)};
+}
+
 Grads bwd_cpu(const at::Tensor& grad_o,
                                 const std::optional<at::Tensor>& grad_final_state,
                                 const at::Tensor& checkpoints, KDA_OP_ARGS) {
@@ -371,20 +390,28 @@ c10::OperatorHandle op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> call_fwd(KDA_OP_ARGS) {
-  static auto op = op_handle("kda::fused_recurrent_fwd")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(KDA_OP_ARGS)>();
-  return op.call(KDA_OP_FORWARD);
+// The forward of the autograd function: kda::chunk_fwd (chunk) or kda::fused_recurrent_fwd.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_fwd(bool chunk, KDA_OP_ARGS) {
+  using Fwd = std::tuple<at::Tensor, at::Tensor, at::Tensor>(KDA_OP_ARGS);
+  static auto rec = op_handle("kda::fused_recurrent_fwd").typed<Fwd>();
+  static auto chk = op_handle("kda::chunk_fwd").typed<Fwd>();
+  return (chunk ? chk : rec).call(KDA_OP_FORWARD);
 }
 
-Grads call_bwd(const at::Tensor& grad_o,
-                                 const std::optional<at::Tensor>& grad_final_state,
-                                 const at::Tensor& checkpoints, KDA_OP_ARGS) {
-  static auto op =
-      op_handle("kda::fused_recurrent_bwd")
-          .typed<Grads(const at::Tensor&, const std::optional<at::Tensor>&,
-                                         const at::Tensor&, KDA_OP_ARGS)>();
-  return op.call(grad_o, grad_final_state, checkpoints, KDA_OP_FORWARD);
+// The backward: both consume the same checkpoints, so the chunk op takes kda::chunk_bwd where
+// that op is registered and the recurrent backward otherwise.
+Grads call_bwd(bool chunk, const at::Tensor& grad_o,
+               const std::optional<at::Tensor>& grad_final_state, const at::Tensor& checkpoints,
+               KDA_OP_ARGS) {
+  using Bwd = Grads(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                    KDA_OP_ARGS);
+  static auto rec = op_handle("kda::fused_recurrent_bwd").typed<Bwd>();
+  static const auto chk = []() -> std::optional<c10::TypedOperatorHandle<Bwd>> {
+    const auto h = c10::Dispatcher::singleton().findSchema({"kda::chunk_bwd", ""});
+    if (!h) return std::nullopt;
+    return h->typed<Bwd>();
+  }();
+  return (chunk && chk ? *chk : rec).call(grad_o, grad_final_state, checkpoints, KDA_OP_FORWARD);
 }
 
 std::optional<at::Tensor> opt(const at::Tensor& t) {
@@ -396,9 +423,9 @@ class FusedRecurrentBackward : public torch::autograd::Function<FusedRecurrentBa
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_o,
                                const std::optional<at::Tensor>& grad_final_state,
-                               const at::Tensor& checkpoints, KDA_OP_ARGS) {
+                               const at::Tensor& checkpoints, KDA_OP_ARGS, bool chunk) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    const auto r = call_bwd(grad_o, grad_final_state, checkpoints, KDA_OP_FORWARD);
+    const auto r = call_bwd(chunk, grad_o, grad_final_state, checkpoints, KDA_OP_FORWARD);
     return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r),
             std::get<4>(r), std::get<5>(r), std::get<6>(r), std::get<7>(r)};
   }
@@ -413,11 +440,12 @@ class FusedRecurrentBackward : public torch::autograd::Function<FusedRecurrentBa
 
 class FusedRecurrentFunction : public torch::autograd::Function<FusedRecurrentFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, KDA_OP_ARGS) {
+  // chunk: kda::chunk (chunkwise forward) instead of kda::fused_recurrent.
+  static variable_list forward(AutogradContext* ctx, KDA_OP_ARGS, bool chunk) {
     at::Tensor o, ht, ckpt;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(o, ht, ckpt) = call_fwd(KDA_OP_FORWARD);
+      std::tie(o, ht, ckpt) = call_fwd(chunk, KDA_OP_FORWARD);
     }
     auto val = [](const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); };
     ctx->save_for_backward({q, k, v, g, beta, val(initial_state), val(cu_seqlens), val(A_log),
@@ -430,6 +458,7 @@ class FusedRecurrentFunction : public torch::autograd::Function<FusedRecurrentFu
     ctx->saved_data["has_lb"] = lower_bound.has_value();
     ctx->saved_data["lb"] = lower_bound.value_or(0.0);
     ctx->saved_data["vfirst"] = state_v_first;
+    ctx->saved_data["chunk"] = chunk;
     return {o, ht};
   }
 
@@ -449,14 +478,16 @@ class FusedRecurrentFunction : public torch::autograd::Function<FusedRecurrentFu
             ? std::optional<double>(ctx->saved_data["lb"].toDouble())
             : std::nullopt;
     const bool state_v_first = ctx->saved_data["vfirst"].toBool();
+    const bool chunk = ctx->saved_data["chunk"].toBool();
 
     at::Tensor grad_o = grads[0];
     if (!grad_o.defined()) {
       grad_o = at::zeros_symint({v.sym_size(0), v.sym_size(1), v.sym_size(2), v.sym_size(3)},
                                 q.options());
     }
-    const auto r = FusedRecurrentBackward::apply(grad_o, opt(grads[1]), ckpt, KDA_OP_FORWARD);
-    variable_list out(16);
+    const auto r =
+        FusedRecurrentBackward::apply(grad_o, opt(grads[1]), ckpt, KDA_OP_FORWARD, chunk);
+    variable_list out(17);
     out[0] = r[0];
     out[1] = r[1];
     out[2] = r[2];
@@ -469,7 +500,8 @@ class FusedRecurrentFunction : public torch::autograd::Function<FusedRecurrentFu
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> fused_recurrent_autograd(KDA_OP_ARGS) {
+// kda::fused_recurrent and (chunk) kda::chunk under autograd.
+std::tuple<at::Tensor, at::Tensor> autograd_impl(bool chunk, KDA_OP_ARGS) {
   check_defined_same_device(KDA_OP_FORWARD);
   auto req = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
   const bool needs_grad =
@@ -478,20 +510,29 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent_autograd(KDA_OP_ARGS) {
        beta.requires_grad() || req(initial_state) || req(A_log) || req(dt_bias));
   if (!needs_grad) {
     // Nothing to differentiate: the kernel below autograd, without checkpoints.
-    static auto op = op_handle("kda::fused_recurrent")
-                         .typed<std::tuple<at::Tensor, at::Tensor>(KDA_OP_ARGS)>();
+    using Op = std::tuple<at::Tensor, at::Tensor>(KDA_OP_ARGS);
+    static auto rec = op_handle("kda::fused_recurrent").typed<Op>();
+    static auto chk = op_handle("kda::chunk").typed<Op>();
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(KDA_OP_FORWARD);
+    return (chunk ? chk : rec).call(KDA_OP_FORWARD);
   }
-  auto r = FusedRecurrentFunction::apply(KDA_OP_FORWARD);
+  auto r = FusedRecurrentFunction::apply(KDA_OP_FORWARD, chunk);
   return {r[0], r[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_recurrent_autograd(KDA_OP_ARGS) {
+  return autograd_impl(/*chunk=*/false, KDA_OP_FORWARD);
+}
+
+std::tuple<at::Tensor, at::Tensor> chunk_autograd(KDA_OP_ARGS) {
+  return autograd_impl(/*chunk=*/true, KDA_OP_FORWARD);
 }
 
 Grads bwd_autograd(const at::Tensor& grad_o,
                                      const std::optional<at::Tensor>& grad_final_state,
                                      const at::Tensor& checkpoints, KDA_OP_ARGS) {
-  return to_grads(
-      FusedRecurrentBackward::apply(grad_o, grad_final_state, checkpoints, KDA_OP_FORWARD));
+  return to_grads(FusedRecurrentBackward::apply(grad_o, grad_final_state, checkpoints,
+                                                KDA_OP_FORWARD, /*chunk=*/false));
 }
 
 }  // namespace
@@ -794,6 +835,10 @@ TORCH_LIBRARY(kda, m) {
         "bool use_gate_in_kernel=False, bool use_beta_sigmoid_in_kernel=False, "
         "bool allow_neg_eigval=False, float? lower_bound=None, bool state_v_first=False, "
         "Tensor? cu_seqlens=None, Tensor? A_log=None, Tensor? dt_bias=None) -> ()");
+  // The chunkwise form (csrc/cpu/chunk_fwd.cpp): the same schemas and results (to rounding); the
+  // checkpoints are those of fused_recurrent_fwd.
+  m.def("chunk(" KDA_SCHEMA_ARGS ") -> (Tensor o, Tensor final_state)");
+  m.def("chunk_fwd(" KDA_SCHEMA_ARGS ") -> (Tensor o, Tensor final_state, Tensor checkpoints)");
   m.def("fused_recurrent_bwd(Tensor grad_o, Tensor? grad_final_state, Tensor checkpoints, "
         KDA_SCHEMA_ARGS
         ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, "
@@ -805,6 +850,8 @@ TORCH_LIBRARY_IMPL(kda, CPU, m) {
   m.impl("fused_recurrent_fwd", &kda::detail::fwd_cpu);
   m.impl("fused_recurrent_bwd", &kda::detail::bwd_cpu);
   m.impl("fused_recurrent_serving", &kda::detail::fused_recurrent_serving_cpu);
+  m.impl("chunk", &kda::detail::chunk_cpu);
+  m.impl("chunk_fwd", &kda::detail::chunk_fwd_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(kda, Meta, m) {
@@ -812,10 +859,13 @@ TORCH_LIBRARY_IMPL(kda, Meta, m) {
   m.impl("fused_recurrent_fwd", &kda::detail::fwd_meta);
   m.impl("fused_recurrent_bwd", &kda::detail::bwd_meta);
   m.impl("fused_recurrent_serving", &kda::detail::fused_recurrent_serving_meta);
+  m.impl("chunk", &kda::detail::fused_recurrent_meta);
+  m.impl("chunk_fwd", &kda::detail::fwd_meta);
 }
 
 TORCH_LIBRARY_IMPL(kda, Autograd, m) {
   m.impl("fused_recurrent", &kda::detail::fused_recurrent_autograd);
   m.impl("fused_recurrent_bwd", &kda::detail::bwd_autograd);
   m.impl("fused_recurrent_serving", &kda::detail::fused_recurrent_serving_autograd);
+  m.impl("chunk", &kda::detail::chunk_autograd);
 }

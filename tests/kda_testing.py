@@ -119,3 +119,31 @@ def make_problem(
         cu[1:] = torch.tensor(list(seqlens), dtype=torch.int64).cumsum(0)
         kwargs["cu_seqlens"] = cu
     return Problem(q, k, v, g, beta, kwargs).to(dtype)
+
+
+OP_ARGS = ("scale", "initial_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+           "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "state_v_first",
+           "cu_seqlens", "A_log", "dt_bias")
+
+
+def op_args(p: Problem, scale: Optional[float] = None):
+    """Positional arguments of torch.ops.kda.fused_recurrent (and kda.chunk) for a Problem."""
+    kw = dict(p.kwargs)
+    kw["scale"] = scale if scale is not None else p.q.shape[-1] ** -0.5
+    defaults = dict(initial_state=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                    use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                    state_v_first=False, cu_seqlens=None, A_log=None, dt_bias=None)
+    return (*p.args, *(kw.get(n, defaults.get(n)) for n in OP_ARGS))
+
+
+def grads(fn, p: Problem, seed: int = 123) -> Dict[str, Optional[torch.Tensor]]:
+    """Gradients of a random projection of ``fn(p) = (o, final_state)`` w.r.t. every tensor."""
+    ts = p.tensors()
+    o, s = fn(p)
+    gen = torch.Generator().manual_seed(seed)
+    wo = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
+    ws = torch.randn(s.shape, generator=gen, dtype=torch.float64).to(s.dtype)
+    loss = (o * wo).sum() + (s * ws).sum()
+    names = list(ts)
+    gs = torch.autograd.grad(loss, [ts[n] for n in names], allow_unused=True)
+    return dict(zip(names, gs))

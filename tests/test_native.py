@@ -14,40 +14,14 @@ import pytest
 import torch
 
 import torch_kda
-from kda_testing import GATES, make_problem, rel_err
+from kda_testing import GATES, OP_ARGS, grads, make_problem, op_args, rel_err
 from torch_kda import reference
 
-OP_ARGS = ("scale", "initial_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-           "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "state_v_first",
-           "cu_seqlens", "A_log", "dt_bias")
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
-
-
-def op_args(p, scale=None):
-    """Positional arguments of torch.ops.kda.fused_recurrent for a Problem."""
-    kw = dict(p.kwargs)
-    kw["scale"] = scale if scale is not None else p.q.shape[-1] ** -0.5
-    defaults = dict(initial_state=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                    use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
-                    state_v_first=False, cu_seqlens=None, A_log=None, dt_bias=None)
-    return (*p.args, *(kw.get(n, defaults.get(n)) for n in OP_ARGS))
 
 
 def native(p):
     return torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="native")
-
-
-def grads(fn, p, seed=123):
-    """Gradients of a random projection of (o, final_state) w.r.t. every tensor input."""
-    ts = p.tensors()
-    o, s = fn(p)
-    gen = torch.Generator().manual_seed(seed)
-    wo = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
-    ws = torch.randn(s.shape, generator=gen, dtype=torch.float64).to(s.dtype)
-    loss = (o * wo).sum() + (s * ws).sum()
-    names = list(ts)
-    gs = torch.autograd.grad(loss, [ts[n] for n in names], allow_unused=True)
-    return dict(zip(names, gs))
 
 
 FLAG_SETS = [  # (l2norm, beta_sigmoid, neg_eigval)

@@ -110,6 +110,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recurrent_fwd_cpu(const Inputs& i
                                                                   const Config& cfg,
                                                                   bool with_checkpoints);
 
+// CPU chunkwise forward (csrc/cpu/chunk_fwd.cpp): the contract of recurrent_fwd_cpu (the same
+// outputs and checkpoints, equal to rounding), computed chunk by chunk with matrix products.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_fwd_cpu(const Inputs& in, const Config& cfg,
+                                                              bool with_checkpoints);
+
 // CPU backward: {dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias}, each in its input's
 // dtype and shape; the last three are empty tensors when the input is absent / unused.
 std::vector<at::Tensor> recurrent_bwd_cpu(const at::Tensor& d_o,

@@ -1,0 +1,271 @@
+// Shared pieces of the chunkwise KDA (see chunk_common.h; math: docs/math.md "Chunkwise form").
+#include "cpu/chunk_common.h"
+
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace kda {
+namespace detail {
+namespace chunk {
+
+void gemm(int64_t M, int64_t N, int64_t Kd, const float* A, int64_t lda, const float* B,
+          int64_t ldb, float* C, int64_t ldc, bool add) {
+  if (M <= 0 || N <= 0) return;
+  if (Kd <= 0) {
+    if (!add) {
+      for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(float) * N);
+    }
+    return;
+  }
+  at::native::cpublas::brgemm(M, N, Kd, lda, ldb, ldc, add, A, B, C, /*is_vnni=*/false);
+}
+
+void gemm(int64_t M, int64_t N, int64_t Kd, const double* A, int64_t lda, const double* B,
+          int64_t ldb, double* C, int64_t ldc, bool add) {
+  // float64 is the checking dtype (gradcheck, oracles): plain loops, speed does not matter.
+  for (int64_t i = 0; i < M; ++i) {
+    double* c = C + i * ldc;
+    if (!add) std::fill(c, c + N, 0.0);
+    for (int64_t p = 0; p < Kd; ++p) {
+      const double s = A[i * lda + p];
+      const double* b = B + p * ldb;
+      for (int64_t j = 0; j < N; ++j) c[j] += s * b[j];
+    }
+  }
+}
+
+void gemm_release() { at::native::cpublas::brgemm_release(/*is_vnni=*/false); }
+
+namespace {
+
+constexpr int64_t kAlign = 16;  // elements; parts of the workspace start at multiples of 64 bytes
+inline int64_t up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// x . y and z . y over n channels, in a fixed order (8 partial sums, then a fixed tree): the
+// same bits whatever the thread. Written so the compiler can keep the partial sums in vectors.
+template <typename T>
+inline void dot2(const T* __restrict x, const T* __restrict z, const T* __restrict y, int64_t n,
+                 T& rx, T& rz) {
+  T ax[8] = {0, 0, 0, 0, 0, 0, 0, 0}, az[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    for (int l = 0; l < 8; ++l) {
+      ax[l] += x[d + l] * y[d + l];
+      az[l] += z[d + l] * y[d + l];
+    }
+  }
+  for (int l = 0; d < n; ++d, ++l) {
+    ax[l] += x[d] * y[d];
+    az[l] += z[d] * y[d];
+  }
+  for (int w = 4; w >= 1; w /= 2) {
+    for (int l = 0; l < w; ++l) {
+      ax[l] += ax[l + w];
+      az[l] += az[l + w];
+    }
+  }
+  rx = ax[0];
+  rz = az[0];
+}
+
+}  // namespace
+
+template <typename T>
+int64_t ChunkWork<T>::elems(int64_t K, int64_t V) {
+  return up(kC * K) * 2 + up(K * kC) * 2 + up(kC * 2 * kC) + up(kC * kC) + up(kC * (K + V)) +
+         up(kC * V) + up(2 * kSub * K) + up(K);
+}
+
+template <typename T>
+ChunkWork<T>::ChunkWork(T* base, int64_t K, int64_t V) {
+  T* p = base;
+  auto take = [&](int64_t n) {
+    T* r = p;
+    p += up(n);
+    return r;
+  };
+  gam = take(kC * K);
+  qg = take(kC * K);
+  kdecT = take(K * kC);
+  krT = take(K * kC);
+  am = take(kC * 2 * kC);
+  na = take(kC * kC);
+  x = take(kC * (K + V));
+  o = take(kC * V);
+  lq = take(2 * kSub * K);
+  w = take(K);
+}
+
+template <typename T>
+void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
+  const int64_t n = c.n, K = c.K;
+  // Gam_i = Gam_{i-1} . a_i (a running product from the chunk start).
+  for (int64_t i = 0; i < n; ++i) {
+    const T* __restrict a = c.a + i * K;
+    const T* __restrict q = c.q + i * K;
+    const T* __restrict prev = i > 0 ? w.gam + (i - 1) * K : nullptr;
+    T* __restrict g = w.gam + i * K;
+    T* __restrict qg = w.qg + i * K;
+    for (int64_t d = 0; d < K; ++d) {
+      const T v = prev ? prev[d] * a[d] : a[d];
+      g[d] = v;
+      qg[d] = q[d] * v;
+    }
+  }
+  // kdec_i = k_i . prod_{t>i} a_t (a running product from the chunk end), stored transposed.
+  T* __restrict run = w.w;
+  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
+  for (int64_t i = n - 1; i >= 0; --i) {
+    const T* __restrict k = c.k + i * K;
+    const T* __restrict a = c.a + i * K;
+    for (int64_t d = 0; d < K; ++d) {
+      w.kdecT[d * kC + i] = k[d] * run[d];
+      run[d] *= a[d];
+    }
+  }
+}
+
+template <typename T>
+void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
+  const int64_t n = c.n, K = c.K;
+  const int64_t nb = (n + kSub - 1) / kSub;
+  const int64_t ncol = nb * kSub;  // columns the later products read (zero past n)
+  for (int64_t i = 0; i < n; ++i) {
+    std::fill(w.am + 2 * i * kC, w.am + 2 * i * kC + ncol, T(0));
+    std::fill(w.am + (2 * i + 1) * kC, w.am + (2 * i + 1) * kC + ncol, T(0));
+  }
+  for (int64_t I = 0; I < nb; ++I) {
+    const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub), rows = b1 - b0;
+    // Diagonal block, direct form: for each column token j, a running product over the tokens
+    // after it, p = k_j . a_{j+1} ... a_i, gives A0_ij = k_i . p and M_ij = q_i . p.
+    T* __restrict p = w.w;
+    for (int64_t j = b0; j < b1; ++j) {
+      const T* kj = c.k + j * K;
+      for (int64_t d = 0; d < K; ++d) p[d] = kj[d];
+      T unused, mjj;
+      dot2(c.q + j * K, c.q + j * K, p, K, mjj, unused);
+      w.am[(2 * j + 1) * kC + j] = mjj;
+      for (int64_t i = j + 1; i < b1; ++i) {
+        const T* __restrict ai = c.a + i * K;
+        for (int64_t d = 0; d < K; ++d) p[d] *= ai[d];
+        T aij, mij;
+        dot2(c.k + i * K, c.q + i * K, p, K, aij, mij);
+        w.am[2 * i * kC + j] = aij;
+        w.am[(2 * i + 1) * kC + j] = mij;
+      }
+    }
+    if (I == 0) continue;
+    // Off-diagonal blocks [I, 0:b0] with the reference token r = b0 - 1. Row factors
+    // Rf_i = a_b0 ... a_i, interleaved rows k_i . Rf_i, q_i . Rf_i (so one GEMM writes the rows
+    // of A0 and M, which am interleaves too).
+    T* __restrict run = w.w;
+    for (int64_t d = 0; d < K; ++d) run[d] = T(1);
+    for (int64_t i = b0; i < b1; ++i) {
+      const T* __restrict a = c.a + i * K;
+      const T* __restrict k = c.k + i * K;
+      const T* __restrict q = c.q + i * K;
+      T* __restrict lk = w.lq + 2 * (i - b0) * K;
+      T* __restrict lqq = lk + K;
+      for (int64_t d = 0; d < K; ++d) {
+        run[d] *= a[d];
+        lk[d] = k[d] * run[d];
+        lqq[d] = q[d] * run[d];
+      }
+    }
+    // Column factors Cf_j = a_{j+1} ... a_r, transposed: krT[d, j] = k_jd Cf_jd.
+    for (int64_t d = 0; d < K; ++d) run[d] = T(1);
+    for (int64_t j = b0 - 1; j >= 0; --j) {
+      const T* __restrict k = c.k + j * K;
+      const T* __restrict a = c.a + j * K;
+      for (int64_t d = 0; d < K; ++d) {
+        w.krT[d * kC + j] = k[d] * run[d];
+        run[d] *= a[d];
+      }
+    }
+    gemm(2 * rows, b0, K, w.lq, K, w.krT, kC, w.am + 2 * b0 * kC, kC, /*add=*/false);
+  }
+  // na = -beta_i A0_ij (strictly lower).
+  for (int64_t i = 0; i < n; ++i) {
+    const T nb_i = -c.beta[i];
+    const T* a0 = w.am + 2 * i * kC;
+    T* r = w.na + i * kC;
+    for (int64_t j = 0; j < i; ++j) r[j] = nb_i * a0[j];
+  }
+}
+
+template <typename T>
+void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w) {
+  const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
+  // Right-hand sides [-beta_i Gam_i . k_i | beta_i v_i].
+  for (int64_t i = 0; i < n; ++i) {
+    const T b = c.beta[i];
+    const T* __restrict g = w.gam + i * K;
+    const T* __restrict k = c.k + i * K;
+    const T* __restrict v = c.v + i * c.ldv;
+    T* __restrict x = w.x + i * ld;
+    for (int64_t d = 0; d < K; ++d) x[d] = -b * (g[d] * k[d]);
+    for (int64_t e = 0; e < V; ++e) x[K + e] = b * v[e];
+  }
+  // (I + A) X = R, row block by row block: X_I = R_I - A[I, :b0] X[:b0] (one GEMM with na),
+  // then forward substitution inside the block.
+  const int64_t nb = (n + kSub - 1) / kSub;
+  for (int64_t I = 0; I < nb; ++I) {
+    const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub);
+    if (b0 > 0) gemm(b1 - b0, ld, b0, w.na + b0 * kC, kC, w.x, ld, w.x + b0 * ld, ld, true);
+    for (int64_t i = b0 + 1; i < b1; ++i) {
+      T* __restrict xi = w.x + i * ld;
+      for (int64_t j = b0; j < i; ++j) {
+        const T s = w.na[i * kC + j];
+        const T* __restrict xj = w.x + j * ld;
+        for (int64_t e = 0; e < ld; ++e) xi[e] += s * xj[e];
+      }
+    }
+  }
+}
+
+template <typename T>
+void chunk_intra(const ChunkIn<T>& c, ChunkWork<T>& w) {
+  decay_factors(c, w);
+  intra_am(c, w);
+  solve_wu(c, w);
+}
+
+template <typename T>
+void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S) {
+  const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
+  T* vn = w.x + K;
+  // Vn = U + (-W) S
+  gemm(n, V, K, w.x, ld, S, V, vn, ld, /*add=*/true);
+  // o = (Q . Gam) S + M Vn; M is lower triangular: row block I reads columns [0, b1).
+  gemm(n, V, K, w.qg, K, S, V, w.o, V, /*add=*/false);
+  const int64_t nb = (n + kSub - 1) / kSub;
+  for (int64_t I = 0; I < nb; ++I) {
+    const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub);
+    gemm(b1 - b0, V, b1, w.am + (2 * b0 + 1) * kC, 2 * kC, vn, ld, w.o + b0 * V, V, true);
+  }
+  // S <- Diag(Gam_last) S + Kdec^T Vn
+  const T* gl = w.gam + (n - 1) * K;
+  for (int64_t d = 0; d < K; ++d) {
+    const T f = gl[d];
+    T* __restrict s = S + d * V;
+    for (int64_t e = 0; e < V; ++e) s[e] *= f;
+  }
+  gemm(K, V, n, w.kdecT, kC, vn, ld, S, V, /*add=*/true);
+}
+
+#define KDA_CHUNK_INSTANTIATE(T)                                         \
+  template struct ChunkWork<T>;                                          \
+  template void decay_factors<T>(const ChunkIn<T>&, ChunkWork<T>&);      \
+  template void intra_am<T>(const ChunkIn<T>&, ChunkWork<T>&);           \
+  template void solve_wu<T>(const ChunkIn<T>&, ChunkWork<T>&);           \
+  template void chunk_intra<T>(const ChunkIn<T>&, ChunkWork<T>&);        \
+  template void state_step<T>(const ChunkIn<T>&, ChunkWork<T>&, T*);
+KDA_CHUNK_INSTANTIATE(float)
+KDA_CHUNK_INSTANTIATE(double)
+#undef KDA_CHUNK_INSTANTIATE
+
+}  // namespace chunk
+}  // namespace detail
+}  // namespace kda

@@ -1,0 +1,109 @@
+// Pieces of the chunkwise KDA shared by the native chunk forward (csrc/cpu/chunk_fwd.cpp) and
+// the chunk backward, which recomputes a chunk's forward quantities with the same functions.
+// Math: docs/math.md, "Chunkwise form" (the native chunk kernel).
+//
+// One chunk of n <= kChunk tokens of one (sequence, value head) is processed at a time, on rows
+// of the pre-processed arrays of detail::preprocess (scale * qhat, khat, a = exp(g), beta, v) and
+// a per-thread workspace (ChunkWork). Matrix products go through one GEMM wrapper (chunk::gemm:
+// ATen's cpublas::brgemm for float, a plain loop for double); the rest is short loops over the
+// K or V channels.
+//
+// Decay factors. Every factor exp(G_i - G_j) (G the cumulative log-decay in the chunk, j <= i)
+// is formed as the PRODUCT of the per-step decays a_{j+1} ... a_i (each <= 1), never as a
+// quotient of cumulative decays and never by exponentiating a cumulative sum. A product of
+// factors <= 1 cannot overflow, an underflow to 0 happens only where the true value is below
+// the smallest float, an infinite decay (g = -inf, a = 0) needs no clamping, and the relative
+// error is that of the recurrence itself (one rounding per step). The cumulative-sum form loses
+// accuracy after strong decays (float32 spacing of G ~ 1e-4 once G reaches thousands).
+//
+// Off-diagonal blocks of A and M (docs/math.md): the chunk is split into sub-blocks of kSub
+// tokens; for a row block I starting at token b0 and the reference token r = b0 - 1,
+//   exp(G_i - G_j) = [prod_{t=b0..i} a_t] * [prod_{t=j+1..r} a_t]     (i >= b0 > r >= j)
+// so A0[I, :b0] = (K_I . Rf) (K_{<b0} . Cf)^T is one GEMM with both factors <= 1. The diagonal
+// blocks use the direct form, a running product over the block.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/kernels/recurrent_kernels.h"
+
+namespace kda {
+namespace detail {
+namespace chunk {
+
+// Chunk length (the checkpoint interval of the recurrent forward: checkpoints are shared) and
+// the sub-block length of A and M.
+constexpr int64_t kC = kernels::kChunk;
+constexpr int64_t kSub = 16;
+
+// C[M, N] = A[M, Kd] B[Kd, N] (+ C[M, N] when add), row-major with leading dimensions (elements).
+// float: ATen's cpublas::brgemm (oneDNN micro-kernels; fp32 products, fp32 accumulation);
+// double: a plain loop. Deterministic: the same shapes give the same bits on any thread.
+void gemm(int64_t M, int64_t N, int64_t Kd, const float* A, int64_t lda, const float* B,
+          int64_t ldb, float* C, int64_t ldc, bool add);
+void gemm(int64_t M, int64_t N, int64_t Kd, const double* A, int64_t lda, const double* B,
+          int64_t ldb, double* C, int64_t ldc, bool add);
+// Frees the GEMM library's per-thread state; call at the end of each thread's work.
+void gemm_release();
+
+// One chunk of one (sequence, value head): n tokens (1 <= n <= kC), rows of the pre-processed
+// arrays (compute dtype T).
+template <typename T>
+struct ChunkIn {
+  int64_t n = 0, K = 0, V = 0;
+  const T* q = nullptr;     // [n, K] scale * qhat, row stride K
+  const T* k = nullptr;     // [n, K] khat
+  const T* a = nullptr;     // [n, K] per-step decay exp(g)
+  const T* beta = nullptr;  // [n]
+  const T* v = nullptr;     // [n, V] values, row stride ldv
+  int64_t ldv = 0;
+};
+
+// Workspace of one chunk (one per thread, reused by every chunk; ~220 KB at K = V = 128 in
+// float). Layouts (row-major; rows past n are not read):
+//   gam   [kC, K]        Gam_i = prod_{t<=i} a_t                        (Gam_last = row n-1)
+//   qg    [kC, K]        q_i . Gam_i
+//   kdecT [K, kC]        (k_i . prod_{t>i} a_t)^T, the decayed keys seen from the chunk end
+//   am    [kC, 2, kC]    row i of A0 at am + 2 i kC (A0_ij = sum_d k_id k_jd exp(G_id - G_jd),
+//                        j < i, else 0), row i of M at am + (2 i + 1) kC (j <= i, else 0), over
+//                        columns j < ceil(n / kSub) * kSub
+//   na    [kC, kC]       -beta_i A0_ij (j < i): minus A of docs/math.md
+//   x     [kC, K + V]    after solve: [-W | U]; after state_step: [-W | Vn]
+//   o     [kC, V]        the chunk's output rows
+//   lq    [2 kSub, K]    row / column factors of one off-diagonal block (scratch)
+//   krT   [K, kC]        (scratch)
+//   w     [K]            (scratch)
+template <typename T>
+struct ChunkWork {
+  T *gam, *qg, *kdecT, *am, *na, *x, *o, *lq, *krT, *w;
+  // Elements needed for K, V; every part starts 64-byte aligned if base is.
+  static int64_t elems(int64_t K, int64_t V);
+  ChunkWork(T* base, int64_t K, int64_t V);
+};
+
+// Gam, q . Gam and the transposed end-decayed keys (gam, qg, kdecT).
+template <typename T>
+void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w);
+
+// A0 and M (am) and -beta A0 (na).
+template <typename T>
+void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w);
+
+// x = (I + A)^-1 [-diag(beta) (Gam . K) | diag(beta) V] = [-W | U] by blocked forward
+// substitution (GEMMs for the off-diagonal blocks). Needs decay_factors and intra_am.
+template <typename T>
+void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w);
+
+// All the state-independent quantities of the chunk: decay_factors, intra_am, solve_wu.
+template <typename T>
+void chunk_intra(const ChunkIn<T>& c, ChunkWork<T>& w);
+
+// With S [K, V] (row stride V) the state entering the chunk (after chunk_intra):
+//   x's U part becomes Vn = U - W S, o = (Q . Gam) S + M Vn, and S becomes the state leaving
+//   the chunk, Diag(Gam_last) S + Kdec^T Vn.
+template <typename T>
+void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S);
+
+}  // namespace chunk
+}  // namespace detail
+}  // namespace kda

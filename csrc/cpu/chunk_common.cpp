@@ -74,8 +74,8 @@ inline void dot2(const T* __restrict x, const T* __restrict z, const T* __restri
 
 template <typename T>
 int64_t ChunkWork<T>::elems(int64_t K, int64_t V) {
-  return up(kC * K) * 2 + up(K * kC) * 2 + up(kC * 2 * kC) + up(kC * kC) + up(kC * (K + V)) +
-         up(kC * V) + up(2 * kSub * K) + up(K);
+  return up(kC * K) * 2 + up(K * kC) * 2 + up(kC * 2 * kC) + up(kC * kC) +
+         2 * up(kC * (K + V)) + up(kC * kSub) + up(kC * V) + up(2 * kSub * K) + up(K);
 }
 
 template <typename T>
@@ -93,6 +93,8 @@ ChunkWork<T>::ChunkWork(T* base, int64_t K, int64_t V) {
   am = take(kC * 2 * kC);
   na = take(kC * kC);
   x = take(kC * (K + V));
+  rhs = take(kC * (K + V));
+  dinv = take(kC * kSub);
   o = take(kC * V);
   lq = take(2 * kSub * K);
   w = take(K);
@@ -127,6 +129,15 @@ void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
   }
 }
 
+// Smallest product of a diagonal block's decays for which the factored form of that block is
+// used (docs/math.md, "Chunkwise form"): its column factors 1 / Rf_j are then at most e^60
+// (float) / e^600 (double), finite with room to spare for sums of K products, and no factor
+// is subnormal. Blocks with a stronger total decay take the direct form.
+template <typename T>
+constexpr T kMinBlockDecay = T(8.75651076e-27);  // e^-60
+template <>
+constexpr double kMinBlockDecay<double> = 2.6503965530043108e-261;  // e^-600
+
 template <typename T>
 void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
   const int64_t n = c.n, K = c.K;
@@ -136,31 +147,11 @@ void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
     std::fill(w.am + 2 * i * kC, w.am + 2 * i * kC + ncol, T(0));
     std::fill(w.am + (2 * i + 1) * kC, w.am + (2 * i + 1) * kC + ncol, T(0));
   }
+  T* __restrict run = w.w;
   for (int64_t I = 0; I < nb; ++I) {
     const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub), rows = b1 - b0;
-    // Diagonal block, direct form: for each column token j, a running product over the tokens
-    // after it, p = k_j . a_{j+1} ... a_i, gives A0_ij = k_i . p and M_ij = q_i . p.
-    T* __restrict p = w.w;
-    for (int64_t j = b0; j < b1; ++j) {
-      const T* kj = c.k + j * K;
-      for (int64_t d = 0; d < K; ++d) p[d] = kj[d];
-      T unused, mjj;
-      dot2(c.q + j * K, c.q + j * K, p, K, mjj, unused);
-      w.am[(2 * j + 1) * kC + j] = mjj;
-      for (int64_t i = j + 1; i < b1; ++i) {
-        const T* __restrict ai = c.a + i * K;
-        for (int64_t d = 0; d < K; ++d) p[d] *= ai[d];
-        T aij, mij;
-        dot2(c.k + i * K, c.q + i * K, p, K, aij, mij);
-        w.am[2 * i * kC + j] = aij;
-        w.am[(2 * i + 1) * kC + j] = mij;
-      }
-    }
-    if (I == 0) continue;
-    // Off-diagonal blocks [I, 0:b0] with the reference token r = b0 - 1. Row factors
-    // Rf_i = a_b0 ... a_i, interleaved rows k_i . Rf_i, q_i . Rf_i (so one GEMM writes the rows
-    // of A0 and M, which am interleaves too).
-    T* __restrict run = w.w;
+    // Row factors Rf_i = a_b0 ... a_i (i in the block), as interleaved rows k_i . Rf_i and
+    // q_i . Rf_i (one GEMM then writes the rows of A0 and M, which am interleaves too).
     for (int64_t d = 0; d < K; ++d) run[d] = T(1);
     for (int64_t i = b0; i < b1; ++i) {
       const T* __restrict a = c.a + i * K;
@@ -174,7 +165,24 @@ void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
         lqq[d] = q[d] * run[d];
       }
     }
-    // Column factors Cf_j = a_{j+1} ... a_r, transposed: krT[d, j] = k_jd Cf_jd.
+    // The block's own columns in factored form, k_j / Rf_j, where every Rf_j >= kMinBlockDecay
+    // (Rf decreases along the block: the last row is the smallest).
+    T least = T(1);
+    for (int64_t d = 0; d < K; ++d) least = std::min(least, run[d]);
+    const bool factored = least >= kMinBlockDecay<T>;
+    if (factored) {
+      for (int64_t d = 0; d < K; ++d) run[d] = T(1);
+      for (int64_t j = b0; j < b1; ++j) {
+        const T* __restrict a = c.a + j * K;
+        const T* __restrict k = c.k + j * K;
+        for (int64_t d = 0; d < K; ++d) {
+          run[d] *= a[d];
+          w.krT[d * kC + j] = k[d] / run[d];
+        }
+      }
+    }
+    // Columns before the block: Cf_j = a_{j+1} ... a_{b0-1} (the reference token r = b0 - 1),
+    // transposed: krT[d, j] = k_jd Cf_jd. Both factors <= 1.
     for (int64_t d = 0; d < K; ++d) run[d] = T(1);
     for (int64_t j = b0 - 1; j >= 0; --j) {
       const T* __restrict k = c.k + j * K;
@@ -184,7 +192,34 @@ void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
         run[d] *= a[d];
       }
     }
-    gemm(2 * rows, b0, K, w.lq, K, w.krT, kC, w.am + 2 * b0 * kC, kC, /*add=*/false);
+    const int64_t cols = factored ? b1 : b0;
+    if (cols > 0) gemm(2 * rows, cols, K, w.lq, K, w.krT, kC, w.am + 2 * b0 * kC, kC, false);
+    if (factored) {
+      // Keep the causal part of the diagonal block: A0 strictly lower, M lower.
+      for (int64_t i = b0; i < b1; ++i) {
+        std::fill(w.am + 2 * i * kC + i, w.am + 2 * i * kC + b1, T(0));
+        std::fill(w.am + (2 * i + 1) * kC + i + 1, w.am + (2 * i + 1) * kC + b1, T(0));
+      }
+    } else {
+      // Direct form: for each column token j, a running product over the tokens after it,
+      // p = k_j . a_{j+1} ... a_i, gives A0_ij = k_i . p and M_ij = q_i . p.
+      T* __restrict p = w.w;
+      for (int64_t j = b0; j < b1; ++j) {
+        const T* kj = c.k + j * K;
+        for (int64_t d = 0; d < K; ++d) p[d] = kj[d];
+        T unused, mjj;
+        dot2(c.q + j * K, c.q + j * K, p, K, mjj, unused);
+        w.am[(2 * j + 1) * kC + j] = mjj;
+        for (int64_t i = j + 1; i < b1; ++i) {
+          const T* __restrict ai = c.a + i * K;
+          for (int64_t d = 0; d < K; ++d) p[d] *= ai[d];
+          T aij, mij;
+          dot2(c.k + i * K, c.q + i * K, p, K, aij, mij);
+          w.am[2 * i * kC + j] = aij;
+          w.am[(2 * i + 1) * kC + j] = mij;
+        }
+      }
+    }
   }
   // na = -beta_i A0_ij (strictly lower).
   for (int64_t i = 0; i < n; ++i) {
@@ -198,30 +233,37 @@ void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
 template <typename T>
 void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
-  // Right-hand sides [-beta_i Gam_i . k_i | beta_i v_i].
+  // Right-hand sides R = [-beta_i Gam_i . k_i | beta_i v_i].
   for (int64_t i = 0; i < n; ++i) {
     const T b = c.beta[i];
     const T* __restrict g = w.gam + i * K;
     const T* __restrict k = c.k + i * K;
     const T* __restrict v = c.v + i * c.ldv;
-    T* __restrict x = w.x + i * ld;
-    for (int64_t d = 0; d < K; ++d) x[d] = -b * (g[d] * k[d]);
-    for (int64_t e = 0; e < V; ++e) x[K + e] = b * v[e];
+    T* __restrict r = w.rhs + i * ld;
+    for (int64_t d = 0; d < K; ++d) r[d] = -b * (g[d] * k[d]);
+    for (int64_t e = 0; e < V; ++e) r[K + e] = b * v[e];
   }
-  // (I + A) X = R, row block by row block: X_I = R_I - A[I, :b0] X[:b0] (one GEMM with na),
-  // then forward substitution inside the block.
+  // (I + A) X = R, row block by row block:
+  //   X_I = (I + A_II)^-1 (R_I - A[I, :b0] X[:b0])
+  // the first product with na (= -A), the second with the block's inverse dinv (16 x 16, by
+  // forward substitution on the identity), both GEMMs.
   const int64_t nb = (n + kSub - 1) / kSub;
   for (int64_t I = 0; I < nb; ++I) {
-    const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub);
-    if (b0 > 0) gemm(b1 - b0, ld, b0, w.na + b0 * kC, kC, w.x, ld, w.x + b0 * ld, ld, true);
-    for (int64_t i = b0 + 1; i < b1; ++i) {
-      T* __restrict xi = w.x + i * ld;
-      for (int64_t j = b0; j < i; ++j) {
-        const T s = w.na[i * kC + j];
-        const T* __restrict xj = w.x + j * ld;
-        for (int64_t e = 0; e < ld; ++e) xi[e] += s * xj[e];
+    const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub), rows = b1 - b0;
+    T* r = w.rhs + b0 * ld;
+    if (b0 > 0) gemm(rows, ld, b0, w.na + b0 * kC, kC, w.x, ld, r, ld, /*add=*/true);
+    T* di = w.dinv + I * kSub * kSub;
+    for (int64_t i = 0; i < rows; ++i) {
+      T* __restrict row = di + i * kSub;
+      std::fill(row, row + kSub, T(0));
+      row[i] = T(1);
+      for (int64_t j = 0; j < i; ++j) {
+        const T s = w.na[(b0 + i) * kC + b0 + j];
+        const T* __restrict rj = di + j * kSub;
+        for (int64_t e = 0; e <= j; ++e) row[e] += s * rj[e];
       }
     }
+    gemm(rows, ld, rows, di, kSub, r, ld, w.x + b0 * ld, ld, /*add=*/false);
   }
 }
 

@@ -19,8 +19,11 @@
 // Off-diagonal blocks of A and M (docs/math.md): the chunk is split into sub-blocks of kSub
 // tokens; for a row block I starting at token b0 and the reference token r = b0 - 1,
 //   exp(G_i - G_j) = [prod_{t=b0..i} a_t] * [prod_{t=j+1..r} a_t]     (i >= b0 > r >= j)
-// so A0[I, :b0] = (K_I . Rf) (K_{<b0} . Cf)^T is one GEMM with both factors <= 1. The diagonal
-// blocks use the direct form, a running product over the block.
+// so A0[I, :b0] = (K_I . Rf) (K_{<b0} . Cf)^T is one GEMM with both factors <= 1. A diagonal
+// block joins that GEMM with the columns k_j / Rf_j (exp(G_i - G_j) = Rf_i / Rf_j) when the
+// block's total decay keeps 1 / Rf_j <= e^60 on every channel (finite, never subnormal: the
+// "provably safe" case); a block with a stronger decay takes the direct form, a running product
+// p = k_j . a_{j+1} ... a_i over the block.
 #pragma once
 
 #include <cstdint>
@@ -69,13 +72,15 @@ struct ChunkIn {
 //                        columns j < ceil(n / kSub) * kSub
 //   na    [kC, kC]       -beta_i A0_ij (j < i): minus A of docs/math.md
 //   x     [kC, K + V]    after solve: [-W | U]; after state_step: [-W | Vn]
+//   rhs   [kC, K + V]    [-diag(beta) (Gam . K) | diag(beta) V], then (solve) R_I - A[I, :b0] X
+//   dinv  [kC / kSub, kSub, kSub]  (I + A_II)^-1 of each diagonal block II
 //   o     [kC, V]        the chunk's output rows
 //   lq    [2 kSub, K]    row / column factors of one off-diagonal block (scratch)
 //   krT   [K, kC]        (scratch)
 //   w     [K]            (scratch)
 template <typename T>
 struct ChunkWork {
-  T *gam, *qg, *kdecT, *am, *na, *x, *o, *lq, *krT, *w;
+  T *gam, *qg, *kdecT, *am, *na, *x, *rhs, *dinv, *o, *lq, *krT, *w;
   // Elements needed for K, V; every part starts 64-byte aligned if base is.
   static int64_t elems(int64_t K, int64_t V);
   ChunkWork(T* base, int64_t K, int64_t V);
@@ -90,7 +95,8 @@ template <typename T>
 void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w);
 
 // x = (I + A)^-1 [-diag(beta) (Gam . K) | diag(beta) V] = [-W | U] by blocked forward
-// substitution (GEMMs for the off-diagonal blocks). Needs decay_factors and intra_am.
+// substitution: per row block, a GEMM with the blocks left of the diagonal and one with the
+// diagonal block's inverse (dinv). Needs decay_factors and intra_am.
 template <typename T>
 void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w);
 

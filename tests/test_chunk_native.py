@@ -226,3 +226,29 @@ def test_bad_inputs_raise_like_the_recurrent_op(change, match, exc):
     for op in (torch.ops.kda.chunk, torch.ops.kda.chunk_fwd):
         with pytest.raises(exc, match=match):
             op(*args.values())
+
+
+def test_chunk_kda_native_runs_the_chunk_op_and_fused_recurrent_stays_recurrent():
+    import torch_kda
+
+    p = make_problem(B=2, T=90, H=1, HV=2, K=6, V=5, gate="softplus", seed=23).to(torch.float32)
+    o, s = torch_kda.chunk_kda(*p.args, **p.kwargs, backend="native")
+    oc, sc = chunk(p)
+    assert torch.equal(o, oc) and torch.equal(s, sc)
+    o, s = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="native")
+    orr, sr = recurrent(p)
+    assert torch.equal(o, orr) and torch.equal(s, sr)
+    assert not torch.equal(oc, orr)  # two kernels, equal to rounding only
+
+
+def test_auto_rule_keeps_decoding_recurrent():
+    from torch_kda import _native
+    from torch_kda._checks import check_kda_inputs
+
+    kw = dict(scale=None, initial_state=None, output_final_state=True,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+              lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None, dt_bias=None)
+    for B, T in ((8, 1), (1, 1), (64, 1)):
+        p = make_problem(B=B, T=T, H=2, HV=2, K=8, V=8, gate="none", beta_sigmoid=False, seed=2)
+        assert not _native.prefer_chunk(check_kda_inputs(*p.args, **kw))

@@ -70,18 +70,46 @@ def _load() -> Optional[str]:
 LOAD_ERROR: Optional[str] = _load()
 
 
+def _run(op, x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    warn_unstable_writes(x)
+    o, final_state = op(
+        x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, x.use_qk_l2norm_in_kernel,
+        x.use_gate_in_kernel, x.use_beta_sigmoid_in_kernel, x.allow_neg_eigval, x.lower_bound,
+        x.state_v_first, x.cu_seqlens, x.A_log, x.dt_bias)
+    return o, (final_state if x.output_final_state else None)
+
+
 def fused_recurrent(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run checked inputs through ``torch.ops.kda.fused_recurrent`` (CPU, fused C++ kernels).
 
     The op itself rejects ``g > 0`` and ``beta`` outside ``[0, 2]`` (in its pre-processing pass);
     the warning about unnormalised keys is raised here (free with the l2 norm on).
     """
-    warn_unstable_writes(x)
-    o, final_state = torch.ops.kda.fused_recurrent(
-        x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, x.use_qk_l2norm_in_kernel,
-        x.use_gate_in_kernel, x.use_beta_sigmoid_in_kernel, x.allow_neg_eigval, x.lower_bound,
-        x.state_v_first, x.cu_seqlens, x.A_log, x.dt_bias)
-    return o, (final_state if x.output_final_state else None)
+    return _run(torch.ops.kda.fused_recurrent, x)
+
+
+def chunk(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run checked inputs through ``torch.ops.kda.chunk`` (CPU, chunkwise form with matrix
+    products, chunks of 64 tokens; same results as :func:`fused_recurrent` to rounding)."""
+    return _run(torch.ops.kda.chunk, x)
+
+
+def prefer_chunk(x: KDAInputs) -> bool:
+    """``backend="auto"`` on CPU: whether the chunkwise kernel beats the recurrent one here.
+
+    The one place of the rule; derived from the crossovers measured side by side in
+    docs/benchmarks.md ("Chunkwise vs recurrent forward"), where the numbers and the command are.
+    Decoding (one token per sequence) always runs the recurrent kernel.
+    """
+    tokens_per_seq = x.B * x.T / max(1, x.N)
+    if tokens_per_seq < _CHUNK_MIN_TOKENS:
+        return False
+    return _CHUNK_WINS
+
+
+# Filled from the measurements in docs/benchmarks.md (see prefer_chunk).
+_CHUNK_MIN_TOKENS = 256
+_CHUNK_WINS = False
 
 
 def _any_requires_grad(x: KDAInputs) -> Optional[str]:

@@ -2,7 +2,10 @@
 
 Arguments are checked once (``_checks.check_kda_inputs``), then one backend runs:
 
-- ``"native"``: the fused C++ CPU operator ``torch.ops.kda.fused_recurrent`` (CPU tensors);
+- ``"native"``: the C++ CPU operators: ``torch.ops.kda.fused_recurrent`` (token by token) for
+  :func:`fused_recurrent_kda`, ``torch.ops.kda.chunk`` (chunkwise, matrix products) for
+  :func:`chunk_kda`; with ``"auto"``, :func:`chunk_kda` picks the faster of the two by a rule
+  measured on CPUs (``_native.prefer_chunk``, docs/benchmarks.md);
 - ``"reference"``: the pure-PyTorch definition in :mod:`torch_kda.reference` (any device);
 - ``"fla"``: flash-linear-attention on CUDA, imported only when chosen;
 - ``"auto"``: ``"fla"`` for CUDA tensors when FLA is installed, ``"native"`` for CPU tensors when
@@ -206,8 +209,14 @@ def chunk_kda(
             every 64 tokens and the reference keeps what autograd keeps.
 
     The ``"reference"`` backend runs the chunkwise form (docs/math.md "Chunkwise form"; Kimi Linear
-    report Eq. 10); ``"native"`` runs the fused recurrent C++ kernel (same result to rounding);
-    ``"fla"`` calls FLA's Triton kernels.
+    report Eq. 10); ``"native"`` runs the C++ chunkwise kernel ``torch.ops.kda.chunk`` (matrix
+    products over chunks of 64 tokens, fp32 products and accumulation, fp64 for fp64 inputs; same
+    result as the recurrent kernel to rounding); ``"fla"`` calls FLA's Triton kernels. The native
+    kernel always uses chunks of 64 tokens: ``chunk_size`` changes only the reference's chunk
+    length and the spacing of ``return_intermediate_states``, never the native result.
+    ``"auto"`` on CPU runs the native chunkwise kernel where it is measured faster than the
+    recurrent one (long sequences; ``_native.prefer_chunk``, docs/benchmarks.md) and the
+    recurrent kernel otherwise (decoding, short sequences).
     """
     if not isinstance(disable_recompute, bool):
         raise TypeError(f"disable_recompute must be a bool, got {type(disable_recompute).__name__}")
@@ -228,6 +237,8 @@ def chunk_kda(
         # the chunk-entry states come from the chunkwise reference on every CPU backend
         return reference.run_serving_reference(x, srv, "chunk")
     if chosen == "native":
+        if backend == "native" or _native.prefer_chunk(x):
+            return _native.chunk(x)
         return _native.fused_recurrent(x)
     if chosen == "fla":
         return _fla.chunk(x, cu_seqlens_cpu=cu_seqlens_cpu, disable_recompute=disable_recompute)

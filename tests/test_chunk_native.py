@@ -252,3 +252,17 @@ def test_auto_rule_keeps_decoding_recurrent():
     for B, T in ((8, 1), (1, 1), (64, 1)):
         p = make_problem(B=B, T=T, H=2, HV=2, K=8, V=8, gate="none", beta_sigmoid=False, seed=2)
         assert not _native.prefer_chunk(check_kda_inputs(*p.args, **kw))
+
+
+@pytest.mark.parametrize("seqlens", [None, (700, 30, 0, 333)], ids=["batch", "varlen"])
+def test_chunks_across_token_blocks(seqlens):
+    # 8 + 16 heads of K = 130: the forward runs in token blocks of 320 tokens per sequence
+    # (tests/test_token_blocks.py); with varlen, sequence 1 starts inside a chunk, so a chunk is
+    # cut by a block boundary and continues in the next block.
+    p = make_problem(B=2, T=450, H=8, HV=16, K=130, V=6, seqlens=seqlens, gate="softplus", seed=4)
+    oc, sc, ckc = torch.ops.kda.chunk_fwd(*op_args(p))
+    orr, sr, ckr = torch.ops.kda.fused_recurrent_fwd(*op_args(p))
+    assert rel_err(oc, orr) <= 1e-11 and rel_err(sc, sr) <= 1e-11 and rel_err(ckc, ckr) <= 1e-11
+    p32 = p.to(torch.float32)
+    oc, sc = chunk(p32)
+    assert rel_err(oc, orr) <= 1e-5 and rel_err(sc, sr) <= 1e-5

@@ -7,6 +7,7 @@
 #include "cpu/kernels/recurrent_kernels.h"
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -109,6 +110,22 @@ at::Tensor state_kv(const std::optional<at::Tensor>& s, const Config& cfg, at::S
 std::tuple<at::Tensor, at::Tensor, at::Tensor> recurrent_fwd_cpu(const Inputs& in,
                                                                   const Config& cfg,
                                                                   bool with_checkpoints);
+
+// The forward in token blocks (csrc/cpu/recurrent_fwd.cpp): block j of every sequence
+// (tokens [rs[n], re[n])) is converted and pre-processed into a small reused workspace (no
+// full-size pre-processed arrays), then run_block(A, rs, re, j) runs the block: A points at the
+// block's pre-processed rows (sequence n's token t at row t - A.seqs.shift[n]; v and o at
+// t - A.seqs.vo_shift[n] when those are non-null), A.ht holds each sequence's running state
+// between blocks (a block with rs[n] == seqs.start[n] starts from h0 instead), and the block's
+// o rows written to A.o are converted into o afterwards. The block plan depends on the shapes
+// only (never on the thread count). An empty sequence appears in block 0 with rs == re.
+template <typename T>
+using BlockRunner = std::function<void(const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
+                                       const std::vector<int64_t>& re, int64_t j)>;
+template <typename T>
+void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
+                     const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
+                     const at::Tensor& ckpt, const BlockRunner<T>& run_block);
 
 // CPU chunkwise forward (csrc/cpu/chunk_fwd.cpp): the contract of recurrent_fwd_cpu (the same
 // outputs and checkpoints, equal to rounding), computed chunk by chunk with matrix products.

@@ -274,10 +274,12 @@ BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt) {
 }
 
 
+}  // namespace
+
 template <typename T>
 void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
                      const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
-                     const at::Tensor& ckpt) {
+                     const at::Tensor& ckpt, const BlockRunner<T>& run_block) {
   const auto ct = compute_dtype(in.q);
   const auto opts = in.q.options().dtype(ct);
   const int64_t BT = d.B * d.T;
@@ -366,29 +368,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
       return tab.prep_f64;
     }
   }();
-  auto fwd = [&]() {
-    if constexpr (std::is_same_v<T, float>) {
-      return tab.fwd_f32;
-    } else {
-      return tab.fwd_f64;
-    }
-  }();
-  // Units: (sequence, value head, group of V-slices). Fewer groups means the q/k/decay rows of a
-  // token block are reused from cache by more slices; more groups give threads work when there
-  // are few heads. Each column is computed the same way whatever the grouping, so the result
-  // does not depend on it (nor on the thread count).
-  const int64_t n_slices = (d.V + kernels::kFwdSlice - 1) / kernels::kFwdSlice;
-  const int64_t heads = std::max<int64_t>(1, d.N * d.HV);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t groups =
-      std::max<int64_t>(1, std::min(n_slices, (2 * threads + heads - 1) / heads));
-  const int64_t units = d.N * d.HV * groups;
-
-  // One scratch per thread (states of the unit's slices, reads, zeros), reused by all its units
-  // and blocks: no allocation inside the parallel regions.
-  const int64_t ws_stride = kernels::fwd_scratch_elems(d.K, n_slices);
-  const at::Tensor thread_ws = at::empty({threads * ws_stride}, opts);
-  T* const ws0 = thread_ws.data_ptr<T>();
 
   std::vector<int64_t> rs(d.N), re(d.N), loc(d.N + 1);
   for (int64_t j = 0; j < plan.n_blocks; ++j) {
@@ -435,8 +415,58 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
       }
     });
     report_domain(bad, in, d);
-    // The recurrence over the block. An empty sequence still runs once (in block 0), so its
-    // final state is its initial state.
+    run_block(A, rs, re, j);
+    if (conv_vo) {
+      const at::Tensor o2 = o.view({BT, d.HV * d.V});
+      for (int64_t n = 0; n < d.N; ++n) {
+        const int64_t len = re[n] - rs[n];
+        if (len > 0) o2.narrow(0, rs[n], len).copy_(o_w.narrow(0, loc[n], len));
+      }
+    }
+  }
+}
+template void run_fwd_blocked<float>(const Inputs&, const Config&, const Dims&, const Sequences&,
+                                     const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     const at::Tensor&, const BlockRunner<float>&);
+template void run_fwd_blocked<double>(const Inputs&, const Config&, const Dims&, const Sequences&,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const BlockRunner<double>&);
+
+namespace {
+
+// The recurrence over one token block (run_fwd_blocked's BlockRunner).
+template <typename T>
+void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
+                   const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
+                   const at::Tensor& ckpt) {
+  const auto& tab = kernels::table();
+  auto fwd = [&]() {
+    if constexpr (std::is_same_v<T, float>) {
+      return tab.fwd_f32;
+    } else {
+      return tab.fwd_f64;
+    }
+  }();
+  // Units: (sequence, value head, group of V-slices). Fewer groups means the q/k/decay rows of a
+  // token block are reused from cache by more slices; more groups give threads work when there
+  // are few heads. Each column is computed the same way whatever the grouping, so the result
+  // does not depend on it (nor on the thread count).
+  const int64_t n_slices = (d.V + kernels::kFwdSlice - 1) / kernels::kFwdSlice;
+  const int64_t heads = std::max<int64_t>(1, d.N * d.HV);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t groups =
+      std::max<int64_t>(1, std::min(n_slices, (2 * threads + heads - 1) / heads));
+  const int64_t units = d.N * d.HV * groups;
+
+  // One scratch per thread (states of the unit's slices, reads, zeros), reused by all its units
+  // and blocks: no allocation inside the parallel regions.
+  const int64_t ws_stride = kernels::fwd_scratch_elems(d.K, n_slices);
+  const at::Tensor thread_ws = at::empty({threads * ws_stride}, in.q.options().dtype(compute_dtype(in.q)));
+  T* const ws0 = thread_ws.data_ptr<T>();
+  run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt,
+                     [&](const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
+                         const std::vector<int64_t>& re, int64_t j) {
+    // An empty sequence still runs once (in block 0), so its final state is its initial state.
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {
         const int64_t gi = u % groups;
@@ -447,15 +477,9 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
         fwd(A, n, hv, gi * n_slices / groups, (gi + 1) * n_slices / groups, rs[n], re[n], ws);
       }
     });
-    if (conv_vo) {
-      const at::Tensor o2 = o.view({BT, d.HV * d.V});
-      for (int64_t n = 0; n < d.N; ++n) {
-        const int64_t len = re[n] - rs[n];
-        if (len > 0) o2.narrow(0, rs[n], len).copy_(o_w.narrow(0, loc[n], len));
-      }
-    }
-  }
+  });
 }
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> recurrent_fwd_cpu(const Inputs& in,
@@ -476,9 +500,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recurrent_fwd_cpu(const Inputs& i
   advise_huge_pages(ht);
   advise_huge_pages(ckpt);
   if (ct == at::kDouble) {
-    run_fwd_blocked<double>(in, cfg, d, seqs, h0, o, ht, ckpt);
+    run_recurrent<double>(in, cfg, d, seqs, h0, o, ht, ckpt);
   } else {
-    run_fwd_blocked<float>(in, cfg, d, seqs, h0, o, ht, ckpt);
+    run_recurrent<float>(in, cfg, d, seqs, h0, o, ht, ckpt);
   }
   if (cfg.state_v_first) ht = ht.transpose(-1, -2).contiguous();
   return {o, ht, ckpt};

@@ -40,6 +40,16 @@ void gemm_release() { at::native::cpublas::brgemm_release(/*is_vnni=*/false); }
 
 namespace {
 
+// The elementwise loops (decay products, factors, transposes) are compiled for AVX2+FMA and
+// AVX-512 besides the baseline, chosen at load time (GCC/Clang function multi-versioning); the
+// GEMMs pick their own kernels. One machine always runs the same clone: results stay bitwise
+// reproducible there.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__APPLE__)
+#define KDA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define KDA_CLONES
+#endif
+
 constexpr int64_t kAlign = 16;  // elements; parts of the workspace start at multiples of 64 bytes
 inline int64_t up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -70,12 +80,28 @@ inline void dot2(const T* __restrict x, const T* __restrict z, const T* __restri
   rz = az[0];
 }
 
+// dst[c, r] = src[r, c] for r < rows, c < cols (dst row stride ldd), in 8 x 8 tiles.
+template <typename T>
+inline void transpose(const T* __restrict src, int64_t rows, int64_t cols, int64_t lds,
+                      T* __restrict dst, int64_t ldd) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int64_t r1 = std::min(rows, r0 + 8);
+    for (int64_t c0 = 0; c0 < cols; c0 += 8) {
+      const int64_t c1 = std::min(cols, c0 + 8);
+      for (int64_t c = c0; c < c1; ++c) {
+        for (int64_t r = r0; r < r1; ++r) dst[c * ldd + r] = src[r * lds + c];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 template <typename T>
 int64_t ChunkWork<T>::elems(int64_t K, int64_t V) {
   return up(kC * K) * 2 + up(K * kC) * 2 + up(kC * 2 * kC) + up(kC * kC) +
-         2 * up(kC * (K + V)) + up(kC * kSub) + up(kC * V) + up(2 * kSub * K) + up(K);
+         2 * up(kC * (K + V)) + up(kC * kSub) + up(kC * V) + up(2 * kSub * K) + up(kC * K) +
+         up(K);
 }
 
 template <typename T>
@@ -97,36 +123,40 @@ ChunkWork<T>::ChunkWork(T* base, int64_t K, int64_t V) {
   dinv = take(kC * kSub);
   o = take(kC * V);
   lq = take(2 * kSub * K);
+  kr = take(kC * K);
   w = take(K);
 }
 
 template <typename T>
-void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
+KDA_CLONES void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
   const int64_t n = c.n, K = c.K;
   // Gam_i = Gam_{i-1} . a_i (a running product from the chunk start).
+  T* __restrict run = w.w;
+  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
   for (int64_t i = 0; i < n; ++i) {
     const T* __restrict a = c.a + i * K;
     const T* __restrict q = c.q + i * K;
-    const T* __restrict prev = i > 0 ? w.gam + (i - 1) * K : nullptr;
     T* __restrict g = w.gam + i * K;
     T* __restrict qg = w.qg + i * K;
     for (int64_t d = 0; d < K; ++d) {
-      const T v = prev ? prev[d] * a[d] : a[d];
-      g[d] = v;
-      qg[d] = q[d] * v;
+      run[d] *= a[d];
+      g[d] = run[d];
+      qg[d] = q[d] * run[d];
     }
   }
-  // kdec_i = k_i . prod_{t>i} a_t (a running product from the chunk end), stored transposed.
-  T* __restrict run = w.w;
+  // kdec_i = k_i . prod_{t>i} a_t (a running product from the chunk end), token-major in kr,
+  // then transposed into kdecT.
   for (int64_t d = 0; d < K; ++d) run[d] = T(1);
   for (int64_t i = n - 1; i >= 0; --i) {
     const T* __restrict k = c.k + i * K;
     const T* __restrict a = c.a + i * K;
+    T* __restrict kr = w.kr + i * K;
     for (int64_t d = 0; d < K; ++d) {
-      w.kdecT[d * kC + i] = k[d] * run[d];
+      kr[d] = k[d] * run[d];
       run[d] *= a[d];
     }
   }
+  transpose(w.kr, n, K, K, w.kdecT, kC);
 }
 
 // Smallest product of a diagonal block's decays for which the factored form of that block is
@@ -139,7 +169,7 @@ template <>
 constexpr double kMinBlockDecay<double> = 2.6503965530043108e-261;  // e^-600
 
 template <typename T>
-void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
+KDA_CLONES void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
   const int64_t n = c.n, K = c.K;
   const int64_t nb = (n + kSub - 1) / kSub;
   const int64_t ncol = nb * kSub;  // columns the later products read (zero past n)
@@ -170,30 +200,36 @@ void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
     T least = T(1);
     for (int64_t d = 0; d < K; ++d) least = std::min(least, run[d]);
     const bool factored = least >= kMinBlockDecay<T>;
+    // Column rows in kr (token-major), then transposed into krT for the GEMM.
     if (factored) {
       for (int64_t d = 0; d < K; ++d) run[d] = T(1);
       for (int64_t j = b0; j < b1; ++j) {
         const T* __restrict a = c.a + j * K;
         const T* __restrict k = c.k + j * K;
+        T* __restrict kr = w.kr + j * K;
         for (int64_t d = 0; d < K; ++d) {
           run[d] *= a[d];
-          w.krT[d * kC + j] = k[d] / run[d];
+          kr[d] = k[d] / run[d];
         }
       }
     }
-    // Columns before the block: Cf_j = a_{j+1} ... a_{b0-1} (the reference token r = b0 - 1),
-    // transposed: krT[d, j] = k_jd Cf_jd. Both factors <= 1.
+    // Columns before the block: Cf_j = a_{j+1} ... a_{b0-1} (the reference token r = b0 - 1):
+    // k_j . Cf_j. Both factors <= 1.
     for (int64_t d = 0; d < K; ++d) run[d] = T(1);
     for (int64_t j = b0 - 1; j >= 0; --j) {
       const T* __restrict k = c.k + j * K;
       const T* __restrict a = c.a + j * K;
+      T* __restrict kr = w.kr + j * K;
       for (int64_t d = 0; d < K; ++d) {
-        w.krT[d * kC + j] = k[d] * run[d];
+        kr[d] = k[d] * run[d];
         run[d] *= a[d];
       }
     }
     const int64_t cols = factored ? b1 : b0;
-    if (cols > 0) gemm(2 * rows, cols, K, w.lq, K, w.krT, kC, w.am + 2 * b0 * kC, kC, false);
+    if (cols > 0) {
+      transpose(w.kr, cols, K, K, w.krT, kC);
+      gemm(2 * rows, cols, K, w.lq, K, w.krT, kC, w.am + 2 * b0 * kC, kC, false);
+    }
     if (factored) {
       // Keep the causal part of the diagonal block: A0 strictly lower, M lower.
       for (int64_t i = b0; i < b1; ++i) {
@@ -231,7 +267,7 @@ void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
 }
 
 template <typename T>
-void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w) {
+KDA_CLONES void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
   // Right-hand sides R = [-beta_i Gam_i . k_i | beta_i v_i].
   for (int64_t i = 0; i < n; ++i) {
@@ -275,7 +311,7 @@ void chunk_intra(const ChunkIn<T>& c, ChunkWork<T>& w) {
 }
 
 template <typename T>
-void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S) {
+KDA_CLONES void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
   T* vn = w.x + K;
   // Vn = U + (-W) S

@@ -76,11 +76,12 @@ struct ChunkIn {
 //   dinv  [kC / kSub, kSub, kSub]  (I + A_II)^-1 of each diagonal block II
 //   o     [kC, V]        the chunk's output rows
 //   lq    [2 kSub, K]    row / column factors of one off-diagonal block (scratch)
+//   kr    [kC, K]        (scratch: factor rows before their transposition)
 //   krT   [K, kC]        (scratch)
 //   w     [K]            (scratch)
 template <typename T>
 struct ChunkWork {
-  T *gam, *qg, *kdecT, *am, *na, *x, *rhs, *dinv, *o, *lq, *krT, *w;
+  T *gam, *qg, *kdecT, *am, *na, *x, *rhs, *dinv, *o, *lq, *kr, *krT, *w;
   // Elements needed for K, V; every part starts 64-byte aligned if base is.
   static int64_t elems(int64_t K, int64_t V);
   ChunkWork(T* base, int64_t K, int64_t V);

@@ -8,10 +8,11 @@
 //                             second-order gradient an error that names backend="reference".
 //   kda::chunk, chunk_fwd     the chunkwise forward (csrc/cpu/chunk_fwd.cpp) with the schemas,
 //                             checks, Meta kernels and autograd of fused_recurrent /
-//                             fused_recurrent_fwd; its backward is kda::chunk_bwd where registered,
-//                             else fused_recurrent_bwd (both read the same checkpoints).
-// Tracing (torch.compile / AOTAutograd) sees fused_recurrent_fwd and fused_recurrent_bwd, both
-// with Meta kernels.
+//                             fused_recurrent_fwd; its backward is kda::chunk_bwd.
+//   kda::chunk_bwd            the backward in the chunkwise form (csrc/cpu/chunk_bwd.cpp): schema,
+//                             checks, Meta kernel, Autograd kernel and checkpoints of
+//                             fused_recurrent_bwd (either backward reads either forward's).
+// Tracing (torch.compile / AOTAutograd) sees the _fwd and _bwd ops, all with Meta kernels.
 #include <kda/kda.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -279,12 +280,14 @@ std::tuple<at::Tensor, at::Tensor> chunk_cpu(KDA_OP_ARGS) {
   return {std::get<0>(r), std::get<1>(r)};
 }
 
-Grads bwd_cpu(const at::Tensor& grad_o,
-                                const std::optional<at::Tensor>& grad_final_state,
-                                const at::Tensor& checkpoints, KDA_OP_ARGS) {
-  const Inputs in = KDA_OP_INPUTS;
+// Checks of a backward call beyond those of the forward's inputs (grad_o, grad_final_state,
+// checkpoints); returns grad_final_state, absent when undefined. Shared by both backwards.
+std::optional<at::Tensor> check_bwd_call(const at::Tensor& grad_o,
+                                         const std::optional<at::Tensor>& grad_final_state,
+                                         const at::Tensor& checkpoints, const Inputs& in,
+                                         const Config& cfg) {
+  const at::Tensor& q = in.q;
   check_cpu(in);
-  const Config cfg = KDA_OP_CONFIG;
   const Dims d = check_inputs(in, cfg, /*check_values=*/true);
   TORCH_CHECK_VALUE(grad_o.sizes() == at::IntArrayRef({d.B, d.T, d.HV, d.V}), kOp,
               "grad_o must have shape [B, T, HV, V] = ", at::IntArrayRef({d.B, d.T, d.HV, d.V}),
@@ -306,7 +309,24 @@ Grads bwd_cpu(const at::Tensor& grad_o,
   check_device(checkpoints, "checkpoints", q);
   check_shape(checkpoints, "checkpoints", {d.n_slots, d.HV, d.K, d.V},
               "[B * ceil(T / 64), HV, K, V] (from fused_recurrent_fwd)");
+  return gfs;
+}
+
+Grads bwd_cpu(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state,
+              const at::Tensor& checkpoints, KDA_OP_ARGS) {
+  const Inputs in = KDA_OP_INPUTS;
+  const Config cfg = KDA_OP_CONFIG;
+  const auto gfs = check_bwd_call(grad_o, grad_final_state, checkpoints, in, cfg);
   return to_grads(recurrent_bwd_cpu(grad_o, gfs, checkpoints, in, cfg));
+}
+
+// The chunkwise backward (csrc/cpu/chunk_bwd.cpp): the contract of bwd_cpu, equal to rounding.
+Grads chunk_bwd_cpu_op(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state,
+                       const at::Tensor& checkpoints, KDA_OP_ARGS) {
+  const Inputs in = KDA_OP_INPUTS;
+  const Config cfg = KDA_OP_CONFIG;
+  const auto gfs = check_bwd_call(grad_o, grad_final_state, checkpoints, in, cfg);
+  return to_grads(chunk_bwd_cpu(grad_o, gfs, checkpoints, in, cfg));
 }
 
 // ---- Meta kernels (shapes and dtypes only; symbolic sizes) ----------------------------------
@@ -398,20 +418,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_fwd(bool chunk, KDA_OP_ARGS)
   return (chunk ? chk : rec).call(KDA_OP_FORWARD);
 }
 
-// The backward: both consume the same checkpoints, so the chunk op takes kda::chunk_bwd where
-// that op is registered and the recurrent backward otherwise.
+// The backward: kda::chunk_bwd for the chunk op, kda::fused_recurrent_bwd for the recurrent one
+// (both consume the same checkpoints, so either pairing is valid).
 Grads call_bwd(bool chunk, const at::Tensor& grad_o,
                const std::optional<at::Tensor>& grad_final_state, const at::Tensor& checkpoints,
                KDA_OP_ARGS) {
   using Bwd = Grads(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
                     KDA_OP_ARGS);
   static auto rec = op_handle("kda::fused_recurrent_bwd").typed<Bwd>();
-  static const auto chk = []() -> std::optional<c10::TypedOperatorHandle<Bwd>> {
-    const auto h = c10::Dispatcher::singleton().findSchema({"kda::chunk_bwd", ""});
-    if (!h) return std::nullopt;
-    return h->typed<Bwd>();
-  }();
-  return (chunk && chk ? *chk : rec).call(grad_o, grad_final_state, checkpoints, KDA_OP_FORWARD);
+  static auto chk = op_handle("kda::chunk_bwd").typed<Bwd>();
+  return (chunk ? chk : rec).call(grad_o, grad_final_state, checkpoints, KDA_OP_FORWARD);
 }
 
 std::optional<at::Tensor> opt(const at::Tensor& t) {
@@ -533,6 +549,13 @@ Grads bwd_autograd(const at::Tensor& grad_o,
                                      const at::Tensor& checkpoints, KDA_OP_ARGS) {
   return to_grads(FusedRecurrentBackward::apply(grad_o, grad_final_state, checkpoints,
                                                 KDA_OP_FORWARD, /*chunk=*/false));
+}
+
+Grads chunk_bwd_autograd(const at::Tensor& grad_o,
+                         const std::optional<at::Tensor>& grad_final_state,
+                         const at::Tensor& checkpoints, KDA_OP_ARGS) {
+  return to_grads(FusedRecurrentBackward::apply(grad_o, grad_final_state, checkpoints,
+                                                KDA_OP_FORWARD, /*chunk=*/true));
 }
 
 }  // namespace
@@ -843,12 +866,19 @@ TORCH_LIBRARY(kda, m) {
         KDA_SCHEMA_ARGS
         ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, "
         "Tensor d_initial_state, Tensor dA_log, Tensor ddt_bias)");
+  // The chunkwise backward (csrc/cpu/chunk_bwd.cpp): the schema and results (to rounding) of
+  // fused_recurrent_bwd, from the same checkpoints.
+  m.def("chunk_bwd(Tensor grad_o, Tensor? grad_final_state, Tensor checkpoints, "
+        KDA_SCHEMA_ARGS
+        ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, "
+        "Tensor d_initial_state, Tensor dA_log, Tensor ddt_bias)");
 }
 
 TORCH_LIBRARY_IMPL(kda, CPU, m) {
   m.impl("fused_recurrent", &kda::detail::fused_recurrent_cpu);
   m.impl("fused_recurrent_fwd", &kda::detail::fwd_cpu);
   m.impl("fused_recurrent_bwd", &kda::detail::bwd_cpu);
+  m.impl("chunk_bwd", &kda::detail::chunk_bwd_cpu_op);
   m.impl("fused_recurrent_serving", &kda::detail::fused_recurrent_serving_cpu);
   m.impl("chunk", &kda::detail::chunk_cpu);
   m.impl("chunk_fwd", &kda::detail::chunk_fwd_cpu_op);
@@ -858,6 +888,7 @@ TORCH_LIBRARY_IMPL(kda, Meta, m) {
   m.impl("fused_recurrent", &kda::detail::fused_recurrent_meta);
   m.impl("fused_recurrent_fwd", &kda::detail::fwd_meta);
   m.impl("fused_recurrent_bwd", &kda::detail::bwd_meta);
+  m.impl("chunk_bwd", &kda::detail::bwd_meta);
   m.impl("fused_recurrent_serving", &kda::detail::fused_recurrent_serving_meta);
   m.impl("chunk", &kda::detail::fused_recurrent_meta);
   m.impl("chunk_fwd", &kda::detail::fwd_meta);
@@ -868,4 +899,5 @@ TORCH_LIBRARY_IMPL(kda, Autograd, m) {
   m.impl("fused_recurrent_bwd", &kda::detail::bwd_autograd);
   m.impl("fused_recurrent_serving", &kda::detail::fused_recurrent_serving_autograd);
   m.impl("chunk", &kda::detail::chunk_autograd);
+  m.impl("chunk_bwd", &kda::detail::chunk_bwd_autograd);
 }

@@ -1,5 +1,6 @@
 // Internal interface between the op layer (csrc/ops.cpp: schemas, checks, Meta, autograd) and the
-// CPU drivers (csrc/cpu/recurrent_fwd.cpp, csrc/cpu/recurrent_bwd.cpp). Not installed.
+// CPU drivers (csrc/cpu/recurrent_fwd.cpp, recurrent_bwd.cpp, chunk_bwd.cpp, bwd_common.cpp).
+// Not installed.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -132,12 +133,46 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_fwd_cpu(const Inputs& in, const Config& cfg,
                                                               bool with_checkpoints);
 
+// The common start of both CPU backwards (csrc/cpu/bwd_common.cpp): the checked sizes, the
+// recomputed pre-processing (for_backward), the sequences, and in the compute dtype the initial
+// state and the gradient of the final state ([N, HV, K, V], undefined if absent), grad_o
+// [BT, HV, V] and the checkpoints [n_slots, HV, K, V] (all contiguous).
+struct BwdSetup {
+  Dims d;
+  Prepared p;
+  Sequences seqs;
+  at::Tensor h0, dht, dout, ckpt;
+};
+BwdSetup backward_setup(const at::Tensor& d_o, const std::optional<at::Tensor>& d_final_state,
+                        const at::Tensor& checkpoints, const Inputs& in, const Config& cfg);
+
+// What a backward kernel produces (compute dtype): gradients w.r.t. the pre-processed q
+// (scale * qhat), khat, the log decay g and beta per VALUE head as `groups` partial sums
+// ([groups, BT, HV, K] / [groups, BT, HV], summed in order p = 0, 1, ...), and the final dv
+// [BT, HV, V] and d_initial_state [N, HV, K, V].
+struct KernelGrads {
+  int64_t groups = 1;
+  at::Tensor dq, dk, dg, dbeta, dv, dh0;
+};
+// The chain rule through the pre-processing (l2 norm, scale, grouped heads, gates with their
+// saturation limits, sigmoid beta; docs/math.md "Backward") and the op's outputs in the
+// inputs' dtypes and shapes, as recurrent_bwd_cpu returns them.
+std::vector<at::Tensor> backward_finish(const BwdSetup& s, const KernelGrads& kg,
+                                        const Inputs& in, const Config& cfg);
+
 // CPU backward: {dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias}, each in its input's
 // dtype and shape; the last three are empty tensors when the input is absent / unused.
 std::vector<at::Tensor> recurrent_bwd_cpu(const at::Tensor& d_o,
                                           const std::optional<at::Tensor>& d_final_state,
                                           const at::Tensor& checkpoints, const Inputs& in,
                                           const Config& cfg);
+
+// CPU chunkwise backward (csrc/cpu/chunk_bwd.cpp, docs/math.md "Chunkwise backward"): the
+// contract of recurrent_bwd_cpu (same arguments, checkpoints and outputs, equal to rounding).
+std::vector<at::Tensor> chunk_bwd_cpu(const at::Tensor& d_o,
+                                      const std::optional<at::Tensor>& d_final_state,
+                                      const at::Tensor& checkpoints, const Inputs& in,
+                                      const Config& cfg);
 
 }  // namespace detail
 }  // namespace kda

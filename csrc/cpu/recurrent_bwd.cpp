@@ -1,7 +1,7 @@
 // CPU backward of the fused recurrent KDA: runs the backward kernels (recompute each chunk from
 // the forward's checkpoints, then the reverse recurrence of docs/math.md "Backward") over (sequence, value
-// head, group of V-slices) units, sums the per-group partials in a fixed order, and chains the
-// gradients through the pre-processing (l2 norm, gate, sigmoid beta).
+// head, group of V-slices) units; the per-group partials are summed in a fixed order and chained
+// through the pre-processing (l2 norm, gate, sigmoid beta) by csrc/cpu/bwd_common.cpp.
 //
 // Determinism: the partition into units depends on the shapes only, never on the thread count,
 // and every sum runs in a fixed order, so results are bitwise identical for any thread count.
@@ -9,8 +9,6 @@
 #include "cpu/kernels/recurrent_kernels.h"
 
 #include <ATen/Parallel.h>
-
-#include <cmath>
 
 #include <vector>
 
@@ -65,254 +63,36 @@ void run_bwd(const Prepared& p, const Dims& d, const Sequences& seqs, const at::
   });
 }
 
-// The chain rule from the kernels' gradients to the op's inputs, one pass over tokens (it was ~20
-// separate ATen ops over [B*T, HV, K] arrays): the sums over the V-slice groups p (partials of
-// the kernels, in order p = 0, 1, ...), over the value heads of a key head (in order), then
-//   q (l2 norm):  dq = (dqh - qhat (qhat . dqh)) * rnorm_q * scale     (else dq = dqh * scale)
-//   k (l2 norm):  dk = (dkh - khat (khat . dkh)) * rnorm_k              (else dk = dkh)
-//   gate softplus: dz = dgl * (-exp(A_log)) * sigmoid(z),   dA_log row = sum_i dgl_i g_i
-//   gate bounded:  dz = dgl * lower_bound * s (1 - s) [* exp(A_log)],   dA_log row = sum_i dz_i z_i
-//   beta sigmoid:  dbeta = db * beta (1 - beta / c)
-// (docs/math.md, "Backward"). Writes dq, dk [BT, H, K], dg [BT, HV, K] (dz with the gate in the
-// op), dbeta [BT, HV] and the per-token rows of dA_log [BT, HV]; their sums over tokens run
-// afterwards in token order. Every value is computed by one thread in a fixed order: the result
-// does not depend on the thread count.
-template <typename T>
-struct ChainArgs {
-  int64_t BT = 0, H = 0, HV = 0, K = 0, groups = 1;
-  const T *dq_p = nullptr, *dk_p = nullptr, *dg_p = nullptr, *db_p = nullptr;  // [P, BT, HV, *]
-  const T* q = nullptr;       // [BT, H, K] raw q (compute dtype)
-  const T* q_rnorm = nullptr; // [BT, H] or null (no l2 norm)
-  const T* k_hm = nullptr;    // [H, BT, K] khat
-  const T* k_rnorm = nullptr; // [BT, H] or null
-  const T* g = nullptr;       // [BT, HV, K] log decay (softplus gate) or raw gate input (bounded)
-  const T* gate_s = nullptr;  // [BT, HV, K] sigmoid of the gate, or null (no gate in the op)
-  const T* expA = nullptr;    // [HV] exp(A_log) or null
-  const T* bias = nullptr;    // [HV * K] dt_bias or null
-  const T* beta = nullptr;    // [HV, BT] write strength (after the sigmoid)
-  bool softplus = false, beta_sigmoid = false;
-  T scale = 1, lower_bound = 0, beta_c = 1;
-  T *dq = nullptr, *dk = nullptr, *dg = nullptr, *dbeta = nullptr, *dA_rows = nullptr;
-};
-
-template <typename T>
-void chain_rule_tokens(const ChainArgs<T>& C, int64_t t0, int64_t t1) {
-  const int64_t H = C.H, HV = C.HV, K = C.K, BT = C.BT, P = C.groups, G = HV / H;
-  const int64_t gs = BT * HV * K, gsb = BT * HV;  // strides between partials
-  std::vector<T> acc(2 * K), hv_sum(K);
-  T* aq = acc.data();
-  T* ak = acc.data() + K;
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t h = 0; h < H; ++h) {
-      for (int which = 0; which < 2; ++which) {
-        const T* part = which == 0 ? C.dq_p : C.dk_p;
-        T* a = which == 0 ? aq : ak;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t row = (t * HV + h * G + g) * K;
-          for (int64_t i = 0; i < K; ++i) hv_sum[i] = part[row + i];
-          for (int64_t p = 1; p < P; ++p) {
-            for (int64_t i = 0; i < K; ++i) hv_sum[i] += part[p * gs + row + i];
-          }
-          if (g == 0) {
-            for (int64_t i = 0; i < K; ++i) a[i] = hv_sum[i];
-          } else {
-            for (int64_t i = 0; i < K; ++i) a[i] += hv_sum[i];
-          }
-        }
-      }
-      T* dq = C.dq + (t * H + h) * K;
-      T* dk = C.dk + (t * H + h) * K;
-      if (C.q_rnorm) {
-        const T rq = C.q_rnorm[t * H + h], rk = C.k_rnorm[t * H + h];
-        const T* q = C.q + (t * H + h) * K;
-        const T* kh = C.k_hm + (h * BT + t) * K;
-        T dotq = 0, dotk = 0;
-        for (int64_t i = 0; i < K; ++i) {
-          dotq += q[i] * rq * aq[i];
-          dotk += kh[i] * ak[i];
-        }
-        for (int64_t i = 0; i < K; ++i) {
-          dq[i] = (aq[i] - q[i] * rq * dotq) * (rq * C.scale);
-          dk[i] = (ak[i] - kh[i] * dotk) * rk;
-        }
-      } else {
-        for (int64_t i = 0; i < K; ++i) {
-          dq[i] = aq[i] * C.scale;
-          dk[i] = ak[i];
-        }
-      }
-    }
-    for (int64_t hv = 0; hv < HV; ++hv) {
-      const int64_t row = (t * HV + hv) * K;
-      T* dg = C.dg + row;
-      for (int64_t i = 0; i < K; ++i) dg[i] = C.dg_p[row + i];
-      for (int64_t p = 1; p < P; ++p) {
-        for (int64_t i = 0; i < K; ++i) dg[i] += C.dg_p[p * gs + row + i];
-      }
-      if (C.gate_s) {
-        const T* s = C.gate_s + row;
-        const T* gz = C.g + row;
-        T rowA = 0;
-        // Saturated gates (docs/math.md "Saturation"): where exp(A_log) overflowed to inf the
-        // gate sits at its limit and every gradient through it is 0; where the log-decay
-        // overflowed to -inf the decay underflowed, dg = a * (...) is exactly 0, and its product
-        // with g is the limit 0 of exp(g) g, not 0 * inf = NaN.
-        const bool rate_inf = C.expA && std::isinf(C.expA[hv]);
-        if (C.softplus) {
-          const T mA = -C.expA[hv];
-          for (int64_t i = 0; i < K; ++i) {
-            const T d = dg[i];
-            rowA += (d == T(0) || rate_inf) ? T(0) : d * gz[i];
-            dg[i] = rate_inf ? T(0) : d * mA * s[i];
-          }
-        } else {
-          for (int64_t i = 0; i < K; ++i) {
-            T dz = dg[i] * C.lower_bound * s[i] * (T(1) - s[i]);
-            if (C.expA) dz = rate_inf ? T(0) : dz * C.expA[hv];
-            const T z = gz[i] + (C.bias ? C.bias[hv * K + i] : T(0));
-            rowA += dz * z;
-            dg[i] = dz;
-          }
-        }
-        if (C.dA_rows) C.dA_rows[t * HV + hv] = rowA;
-      }
-      T db = C.db_p[t * HV + hv];
-      for (int64_t p = 1; p < P; ++p) db += C.db_p[p * gsb + t * HV + hv];
-      if (C.beta_sigmoid) {
-        const T b = C.beta[hv * BT + t];
-        db = db * b * (T(1) - b / C.beta_c);
-      }
-      C.dbeta[t * HV + hv] = db;
-    }
-  }
-}
-
-// Column sums of a [R, C] array, each column summed over rows in order (parallel over columns).
-template <typename T>
-at::Tensor column_sums(const at::Tensor& x2d) {
-  const at::Tensor x = x2d.contiguous();
-  const int64_t R = x.size(0), Cn = x.size(1);
-  at::Tensor out = at::empty({Cn}, x.options());
-  const T* p = x.data_ptr<T>();
-  T* o = out.data_ptr<T>();
-  at::parallel_for(0, Cn, 64, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) o[c] = 0;
-    for (int64_t r = 0; r < R; ++r) {
-      for (int64_t c = c0; c < c1; ++c) o[c] += p[r * Cn + c];
-    }
-  });
-  return out;
-}
-
 }  // namespace
 
 std::vector<at::Tensor> recurrent_bwd_cpu(const at::Tensor& d_o,
                                           const std::optional<at::Tensor>& d_final_state,
                                           const at::Tensor& checkpoints, const Inputs& in,
                                           const Config& cfg) {
-  const Dims d = check_inputs(in, cfg, /*check_values=*/true);
-  const auto ct = compute_dtype(in.q);
-  const auto opts = in.q.options().dtype(ct);
+  const BwdSetup s = backward_setup(d_o, d_final_state, checkpoints, in, cfg);
+  const Dims& d = s.d;
+  const auto opts = in.q.options().dtype(compute_dtype(in.q));
   const int64_t BT = d.B * d.T;
-  const Prepared p = preprocess(in, cfg, d, /*for_backward=*/true);
-  const Sequences seqs = make_sequences(in, d);
-  const at::Tensor h0 = state_kv(in.initial_state, cfg, ct);
-  const at::Tensor dht = state_kv(d_final_state, cfg, ct);
-  const at::Tensor dout = d_o.to(ct).reshape({BT, d.HV, d.V}).contiguous();
-  const at::Tensor ckpt = checkpoints.to(ct).contiguous();
 
   const int64_t n_slices = (d.V + kernels::kBwdSlice - 1) / kernels::kBwdSlice;
-  const int64_t groups = n_groups(d, n_slices);
-  at::Tensor dq_p = at::empty({groups, BT, d.HV, d.K}, opts);
-  at::Tensor dk_p = at::empty({groups, BT, d.HV, d.K}, opts);
-  at::Tensor dg_p = at::empty({groups, BT, d.HV, d.K}, opts);
-  at::Tensor db_p = at::empty({groups, BT, d.HV}, opts);
-  at::Tensor dv = at::empty({BT, d.HV, d.V}, opts);
-  at::Tensor dh0 = at::empty({d.N, d.HV, d.K, d.V}, opts);
-  for (const at::Tensor* t : {&dq_p, &dk_p, &dg_p, &dv}) advise_huge_pages(*t);
-  if (ct == at::kDouble) {
-    run_bwd<double>(p, d, seqs, h0, ckpt, dout, dht, dq_p, dk_p, dg_p, db_p, dv, dh0, n_slices,
-                    groups);
+  KernelGrads kg;
+  kg.groups = n_groups(d, n_slices);
+  kg.dq = at::empty({kg.groups, BT, d.HV, d.K}, opts);
+  kg.dk = at::empty({kg.groups, BT, d.HV, d.K}, opts);
+  kg.dg = at::empty({kg.groups, BT, d.HV, d.K}, opts);
+  kg.dbeta = at::empty({kg.groups, BT, d.HV}, opts);
+  kg.dv = at::empty({BT, d.HV, d.V}, opts);
+  kg.dh0 = at::empty({d.N, d.HV, d.K, d.V}, opts);
+  for (const at::Tensor* t : {&kg.dq, &kg.dk, &kg.dg, &kg.dv}) advise_huge_pages(*t);
+  if (opts.dtype() == at::kDouble) {
+    run_bwd<double>(s.p, d, s.seqs, s.h0, s.ckpt, s.dout, s.dht, kg.dq, kg.dk, kg.dg, kg.dbeta,
+                    kg.dv, kg.dh0, n_slices, kg.groups);
   } else {
-    run_bwd<float>(p, d, seqs, h0, ckpt, dout, dht, dq_p, dk_p, dg_p, db_p, dv, dh0, n_slices,
-                   groups);
+    run_bwd<float>(s.p, d, s.seqs, s.h0, s.ckpt, s.dout, s.dht, kg.dq, kg.dk, kg.dg, kg.dbeta,
+                   kg.dv, kg.dh0, n_slices, kg.groups);
   }
-
-  // The chain rule, fused (chain_rule_tokens).
-  at::Tensor dqh = at::empty({BT, d.H, d.K}, opts);
-  at::Tensor dkh = at::empty({BT, d.H, d.K}, opts);
-  advise_huge_pages(dqh);
-  advise_huge_pages(dkh);
-  at::Tensor dg_in = at::empty({BT, d.HV, d.K}, opts);
-  at::Tensor dbeta = at::empty({BT, d.HV}, opts);
-  advise_huge_pages(dg_in);
-  const bool gate = cfg.use_gate_in_kernel;
-  const bool with_dA = gate && in.A_log.has_value();
-  at::Tensor dA_rows = with_dA ? at::empty({BT, d.HV}, opts) : at::Tensor();
-  at::Tensor expA, bias;
-  if (gate && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
-  if (gate && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
-  auto chain = [&](auto zero) {
-    using T = decltype(zero);
-    ChainArgs<T> C;
-    C.BT = BT;
-    C.H = d.H;
-    C.HV = d.HV;
-    C.K = d.K;
-    C.groups = groups;
-    C.dq_p = dq_p.data_ptr<T>();
-    C.dk_p = dk_p.data_ptr<T>();
-    C.dg_p = dg_p.data_ptr<T>();
-    C.db_p = db_p.data_ptr<T>();
-    C.q = p.q_in.data_ptr<T>();
-    C.q_rnorm = cfg.use_qk_l2norm_in_kernel ? p.q_rnorm.data_ptr<T>() : nullptr;
-    C.k_hm = p.k_hm.data_ptr<T>();
-    C.k_rnorm = cfg.use_qk_l2norm_in_kernel ? p.k_rnorm.data_ptr<T>() : nullptr;
-    C.g = gate ? (cfg.lower_bound ? p.g_in.data_ptr<T>() : p.g.data_ptr<T>()) : nullptr;
-    C.gate_s = gate ? p.gate_s.data_ptr<T>() : nullptr;
-    C.expA = expA.defined() ? expA.data_ptr<T>() : nullptr;
-    C.bias = bias.defined() ? bias.data_ptr<T>() : nullptr;
-    C.beta = p.beta_hm.data_ptr<T>();
-    C.softplus = gate && !cfg.lower_bound;
-    C.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
-    C.scale = static_cast<T>(cfg.scale);
-    C.lower_bound = static_cast<T>(cfg.lower_bound.value_or(0.0));
-    C.beta_c = cfg.allow_neg_eigval ? T(2) : T(1);
-    C.dq = dqh.data_ptr<T>();
-    C.dk = dkh.data_ptr<T>();
-    C.dg = dg_in.data_ptr<T>();
-    C.dbeta = dbeta.data_ptr<T>();
-    C.dA_rows = with_dA ? dA_rows.data_ptr<T>() : nullptr;
-    at::parallel_for(0, BT, 16, [&](int64_t b, int64_t e) { chain_rule_tokens<T>(C, b, e); });
-  };
-  at::Tensor dA, dbias;
-  if (ct == at::kDouble) {
-    chain(0.0);
-    if (with_dA) dA = column_sums<double>(dA_rows);
-    if (gate && in.dt_bias) dbias = column_sums<double>(dg_in.reshape({BT, d.HV * d.K}));
-  } else {
-    chain(0.0f);
-    if (with_dA) dA = column_sums<float>(dA_rows);
-    if (gate && in.dt_bias) dbias = column_sums<float>(dg_in.reshape({BT, d.HV * d.K}));
-  }
-
-  std::vector<at::Tensor> out(8);
-  out[0] = dqh.reshape({d.B, d.T, d.H, d.K}).to(in.q.scalar_type());
-  out[1] = dkh.reshape({d.B, d.T, d.H, d.K}).to(in.k.scalar_type());
-  out[2] = dv.reshape({d.B, d.T, d.HV, d.V}).to(in.v.scalar_type());
-  out[3] = dg_in.reshape({d.B, d.T, d.HV, d.K}).to(in.g.scalar_type());
-  out[4] = dbeta.reshape({d.B, d.T, d.HV}).to(in.beta.scalar_type());
-  if (in.initial_state) {
-    at::Tensor s = cfg.state_v_first ? dh0.transpose(-1, -2) : dh0;
-    out[5] = s.to(in.initial_state->scalar_type()).contiguous();
-  } else {
-    out[5] = at::empty({0}, opts);
-  }
-  out[6] = dA.defined() ? dA.reshape(in.A_log->sizes()).to(in.A_log->scalar_type())
-                        : at::empty({0}, opts);
-  out[7] = dbias.defined() ? dbias.reshape(in.dt_bias->sizes()).to(in.dt_bias->scalar_type())
-                           : at::empty({0}, opts);
-  return out;
+  // The chain rule through the pre-processing (csrc/cpu/bwd_common.cpp).
+  return backward_finish(s, kg, in, cfg);
 }
 
 }  // namespace detail

@@ -1,0 +1,536 @@
+// CPU chunkwise backward of KDA (docs/math.md "Chunkwise backward").
+//
+// Units are (sequence, value head). A unit runs its chunks (the kChunk-token chunks of the
+// forward's checkpoints) from last to first: it recomputes the chunk's forward quantities from the
+// checkpoint with the pieces of csrc/cpu/chunk_common.h (Gam, A0, M, (I + A)^-1 [.. | ..], Vn),
+// then applies the backward of the chunk formulas, which gives the gradients of the chunk's
+// tokens w.r.t. the pre-processed inputs and the gradient of the state entering the chunk (passed
+// on to the previous chunk). Matrix products go through chunk::gemm; the rest is short loops over
+// K or V channels in a per-thread workspace. The chain rule through the pre-processing (l2 norm,
+// gates, sigmoid beta, grouped heads) is csrc/cpu/bwd_common.cpp, shared with the recurrent
+// backward.
+//
+// Determinism: units and chunk boundaries depend on the shapes only; a unit runs on one thread
+// and every sum in it runs in a fixed order, so results are bitwise identical for any thread
+// count.
+#include "cpu/chunk_common.h"
+#include "cpu/kda_cpu.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace kda {
+namespace detail {
+
+namespace {
+
+using chunk::kC;
+using chunk::kSub;
+
+constexpr int64_t kAlign = 16;  // elements: every part of the workspace starts 64-byte aligned
+inline int64_t up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// dst[c, r] = src[r, c] for a rows x cols block (leading dimensions lds, ldd).
+template <typename T>
+void transpose(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, int64_t ldd) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* s = src + r * lds;
+    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = s[c];
+  }
+}
+
+// The backward's part of a thread's workspace (row-major; ld = K + V). Names follow
+// docs/math.md "Chunkwise backward"; NW = -W (chunk_common keeps W negated).
+template <typename T>
+struct BwdWork {
+  T* S;      // [K, V]     state entering the chunk
+  T* ST;     // [V, K]
+  T* dS;     // [K, V]     gradient w.r.t. the state leaving the chunk (then entering it)
+  T* dST;    // [V, K]
+  T* dSnew;  // [K, V]
+  T* xu;     // [kC, ld]   [NW | U]
+  T* xuT;    // [ld, kC]
+  T* vn;     // [kC, V]    Vn = U - W S
+  T* vnT;    // [V, kC]
+  T* X;      // [2 kC, V]  rows 0..n: dO, rows n..2n: dVn
+  T* Y;      // [2 kC, K]  X S^T: rows 0..n: d(Q . Gam), rows n..2n: dNW = dVn S^T
+  T* mT;     // [kC, kC]   M^T
+  T* naT;    // [kC, kC]   (-A)^T
+  T* kdec;   // [kC, K]    Kdec_i = k_i exp(G_last - G_i)
+  T* edec;   // [kC, K]    exp(G_last - G_i)
+  T* dkdec;  // [kC, K]
+  T* qwT;    // [K, 2 kC]  [(Q . Gam)^T | NW^T]
+  T* dR;     // [kC, ld]   gradient w.r.t. the right-hand sides [-B (Gam . K) | B V]
+  T* dam;    // [2 kC, kC] row 2i: dA0_i (j < i), row 2i + 1: dM_i (j <= i)
+  T* damT;   // [kC, 2 kSub]
+  T* lq;     // [2 kSub, K] interleaved row factors k_i Rf_i, q_i Rf_i of one row block
+  T* dlq;    // [2 kSub, K]
+  T* rf;     // [kSub, K]  Rf_i = exp(G_i - G_r)
+  T* cf;     // [kC, K]    Cf_j = exp(G_r - G_j)
+  T* kr;     // [kC, K]    k_j Cf_j
+  T* dkr;    // [kC, K]
+  T* dq;     // [kC, K]
+  T* dk;     // [kC, K]
+  T* run;    // [K]
+  // The gradient w.r.t. g, in double (see "G = cumsum(g)" in chunk_backward): dG w.r.t. the
+  // cumulative log decay G (summed in reverse into dg), dgx added to dg directly, acc [K].
+  double *dG, *dgx, *acc;
+
+  static int64_t elems(int64_t K, int64_t V) {
+    const int64_t ld = K + V;
+    return 5 * up(K * V) + 3 * up(kC * ld) + 2 * up(kC * V) + up(2 * kC * V) +
+           up(2 * kC * K) + 2 * up(kC * kC) + 3 * up(kC * K) + up(K * 2 * kC) + up(2 * kC * kC) +
+           up(kC * 2 * kSub) + 2 * up(2 * kSub * K) + up(kSub * K) + 3 * up(kC * K) +
+           2 * up(kC * K) + up(K) + 2 * up(2 * kC * K) + up(4 * K);
+  }
+  BwdWork(T* base, int64_t K, int64_t V) {
+    const int64_t ld = K + V;
+    T* p = base;
+    auto take = [&](int64_t n) {
+      T* r = p;
+      p += up(n);
+      return r;
+    };
+    S = take(K * V);
+    ST = take(K * V);
+    dS = take(K * V);
+    dST = take(K * V);
+    dSnew = take(K * V);
+    xu = take(kC * ld);
+    xuT = take(kC * ld);
+    dR = take(kC * ld);
+    vn = take(kC * V);
+    vnT = take(kC * V);
+    X = take(2 * kC * V);
+    Y = take(2 * kC * K);
+    mT = take(kC * kC);
+    naT = take(kC * kC);
+    kdec = take(kC * K);
+    edec = take(kC * K);
+    dkdec = take(kC * K);
+    qwT = take(K * 2 * kC);
+    dam = take(2 * kC * kC);
+    damT = take(kC * 2 * kSub);
+    lq = take(2 * kSub * K);
+    dlq = take(2 * kSub * K);
+    rf = take(kSub * K);
+    cf = take(kC * K);
+    kr = take(kC * K);
+    dkr = take(kC * K);
+    dq = take(kC * K);
+    dk = take(kC * K);
+    run = take(K);
+    // (2 n elements of T hold n doubles for T = float and T = double)
+    dG = reinterpret_cast<double*>(take(2 * kC * K));
+    dgx = reinterpret_cast<double*>(take(2 * kC * K));
+    acc = reinterpret_cast<double*>(take(4 * K));
+  }
+};
+
+template <typename T>
+struct UnitArgs {
+  int64_t BT = 0, H = 0, HV = 0, K = 0, V = 0;
+  const Sequences* seqs = nullptr;
+  const T* q = nullptr;     // [H, BT, K]  scale * qhat
+  const T* k = nullptr;     // [H, BT, K]  khat
+  const T* a = nullptr;     // [HV, BT, K] exp(g)
+  const T* beta = nullptr;  // [HV, BT]
+  const T* v = nullptr;     // [BT, HV, V]
+  const T* h0 = nullptr;    // [N, HV, K, V] or null
+  const T* ckpt = nullptr;  // [slots, HV, K, V]
+  const T* dout = nullptr;  // [BT, HV, V]
+  const T* dht = nullptr;   // [N, HV, K, V] or null
+  T* dq = nullptr;          // [BT, HV, K] w.r.t. scale * qhat
+  T* dk = nullptr;          // [BT, HV, K] w.r.t. khat
+  T* dg = nullptr;          // [BT, HV, K] w.r.t. the log decay
+  T* dbeta = nullptr;       // [BT, HV]
+  T* dv = nullptr;          // [BT, HV, V]
+  T* dh0 = nullptr;         // [N, HV, K, V]
+};
+
+// The backward of one chunk (docs/math.md "Chunkwise backward"), tokens [s0, s0 + c.n) of value
+// head hv: S0 the state entering the chunk (null: zeros), bw.dS the gradient w.r.t. the state
+// leaving it on entry and w.r.t. the state entering it on return.
+template <typename T>
+void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c, int64_t s0, int64_t hv,
+                    const T* S0, chunk::ChunkWork<T>& cw, BwdWork<T>& bw) {
+  const int64_t n = c.n, K = c.K, V = c.V, ld = K + V, HV = A.HV;
+  const int64_t nb = (n + kSub - 1) / kSub;
+  if (S0) {
+    std::memcpy(bw.S, S0, sizeof(T) * K * V);
+  } else {
+    std::fill(bw.S, bw.S + K * V, T(0));
+  }
+
+  // ---- forward quantities of the chunk (chunk_common) ----
+  chunk::chunk_intra(c, cw);  // gam, qg, kdecT, am (A0 / M), na = -A, x = [NW | U]
+  for (int64_t i = 0; i < n; ++i) std::memcpy(bw.xu + i * ld, cw.x + i * ld, sizeof(T) * ld);
+  // Vn = U + NW S
+  for (int64_t i = 0; i < n; ++i) std::memcpy(bw.vn + i * V, bw.xu + i * ld + K, sizeof(T) * V);
+  chunk::gemm(n, V, K, bw.xu, ld, bw.S, V, bw.vn, V, /*add=*/true);
+  // exp(G_last - G_i) (the running product of chunk_common's kdec) and Kdec
+  for (int64_t d = 0; d < K; ++d) bw.run[d] = T(1);
+  for (int64_t i = n - 1; i >= 0; --i) {
+    const T* ai = c.a + i * K;
+    for (int64_t d = 0; d < K; ++d) {
+      bw.edec[i * K + d] = bw.run[d];
+      bw.run[d] *= ai[d];
+    }
+  }
+  transpose(K, n, cw.kdecT, kC, bw.kdec, K);
+
+  // ---- O = (Q . Gam) S + M Vn,  S_next = Diag(Gam_last) S + Kdec^T Vn ----
+  const T* dO = A.dout + (s0 * HV + hv) * V;
+  for (int64_t i = 0; i < n; ++i) std::memcpy(bw.X + i * V, dO + i * HV * V, sizeof(T) * V);
+  T* dVn = bw.X + n * V;
+  // dVn = M^T dO + Kdec dS_next
+  transpose(n, n, cw.am + kC, 2 * kC, bw.mT, kC);
+  chunk::gemm(n, V, n, bw.mT, kC, bw.X, V, dVn, V, /*add=*/false);
+  chunk::gemm(n, V, K, bw.kdec, K, bw.dS, V, dVn, V, /*add=*/true);
+  // [d(Q . Gam); dNW] = [dO; dVn] S^T   (Vn = U + NW S gives dNW = dVn S^T)
+  transpose(K, V, bw.S, V, bw.ST, K);
+  chunk::gemm(2 * n, K, V, bw.X, V, bw.ST, K, bw.Y, K, /*add=*/false);
+  // dKdec = Vn dS_next^T
+  transpose(K, V, bw.dS, V, bw.dST, K);
+  chunk::gemm(n, K, V, bw.vn, V, bw.dST, K, bw.dkdec, K, /*add=*/false);
+  // dS = (Q . Gam)^T dO + NW^T dVn + Diag(Gam_last) dS_next
+  transpose(n, K, cw.qg, K, bw.qwT, 2 * kC);
+  transpose(n, K, bw.xu, ld, bw.qwT + n, 2 * kC);
+  chunk::gemm(K, V, 2 * n, bw.qwT, 2 * kC, bw.X, V, bw.dSnew, V, /*add=*/false);
+  const T* gl = cw.gam + (n - 1) * K;
+  for (int64_t d = 0; d < K; ++d) {
+    const T* s = bw.S + d * V;
+    const T* ds = bw.dS + d * V;
+    T* dsn = bw.dSnew + d * V;
+    T rs = 0;
+    for (int64_t e = 0; e < V; ++e) {
+      rs += s[e] * ds[e];
+      dsn[e] += gl[d] * ds[e];
+    }
+    bw.acc[d] = static_cast<double>(gl[d] * rs);  // dG_last += Gam_last . rowsum(S . dS_next)
+    bw.acc[K + d] = 0.0;
+  }
+
+  // ---- through the solve: [NW | U] = (I + A)^-1 R,  R = [-B (Gam . K) | B V] ----
+  // dR = (I + A)^-T [dNW | dVn], by backward substitution, row block by row block from the last.
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(bw.dR + i * ld, bw.Y + (n + i) * K, sizeof(T) * K);
+    std::memcpy(bw.dR + i * ld + K, dVn + i * V, sizeof(T) * V);
+  }
+  transpose(n, n, cw.na, kC, bw.naT, kC);  // only the strictly lower part of na is read below
+  for (int64_t I = nb - 1; I >= 0; --I) {
+    const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub);
+    // dR_i += sum_{m >= b1} na_mi dR_m   (na = -A)
+    if (b1 < n) {
+      chunk::gemm(b1 - b0, ld, n - b1, bw.naT + b0 * kC + b1, kC, bw.dR + b1 * ld, ld,
+                  bw.dR + b0 * ld, ld, /*add=*/true);
+    }
+    for (int64_t i = b1 - 2; i >= b0; --i) {
+      T* __restrict ri = bw.dR + i * ld;
+      for (int64_t m = i + 1; m < b1; ++m) {
+        const T s = cw.na[m * kC + i];
+        const T* __restrict rm = bw.dR + m * ld;
+        for (int64_t e = 0; e < ld; ++e) ri[e] += s * rm[e];
+      }
+    }
+  }
+  // dA = -strict_tril(dR [NW | U]^T);  dM = tril(dO Vn^T)
+  transpose(n, ld, bw.xu, ld, bw.xuT, kC);
+  chunk::gemm(n, n, ld, bw.dR, ld, bw.xuT, kC, bw.dam, 2 * kC, /*add=*/false);
+  transpose(n, V, bw.vn, V, bw.vnT, kC);
+  chunk::gemm(n, n, V, bw.X, V, bw.vnT, kC, bw.dam + kC, 2 * kC, /*add=*/false);
+
+  // ---- per token: beta, v, Gam, Kdec ----
+  for (int64_t i = 0; i < n; ++i) {
+    const T b = c.beta[i];
+    const T* __restrict a0 = cw.am + 2 * i * kC;
+    T* __restrict da = bw.dam + 2 * i * kC;
+    T* __restrict dm = bw.dam + (2 * i + 1) * kC;
+    T db = 0;
+    for (int64_t j = 0; j < i; ++j) {
+      const T dA = -da[j];
+      db += dA * a0[j];
+      da[j] = b * dA;  // A_ij = beta_i A0_ij
+    }
+    for (int64_t j = i; j < n; ++j) da[j] = T(0);
+    for (int64_t j = i + 1; j < n; ++j) dm[j] = T(0);
+    const T* __restrict dnr = bw.dR + i * ld;  // w.r.t. -beta_i Gam_i k_i
+    const T* __restrict dbv = dnr + K;           // w.r.t. beta_i v_i
+    const T* __restrict vi = c.v + i * c.ldv;
+    const T* __restrict ki = c.k + i * K;
+    const T* __restrict gi = cw.gam + i * K;
+    const T* __restrict qgi = cw.qg + i * K;
+    const T* __restrict dqg = bw.Y + i * K;
+    const T* __restrict ed = bw.edec + i * K;
+    const T* __restrict kd = bw.kdec + i * K;
+    const T* __restrict dkd = bw.dkdec + i * K;
+    T* __restrict dq = bw.dq + i * K;
+    T* __restrict dk = bw.dk + i * K;
+    double* __restrict dG = bw.dG + i * K;
+    double* __restrict dgx = bw.dgx + i * K;
+    T* __restrict dv = A.dv + ((s0 + i) * HV + hv) * V;
+    for (int64_t e = 0; e < V; ++e) {
+      db += dbv[e] * vi[e];
+      dv[e] = b * dbv[e];
+    }
+    for (int64_t d = 0; d < K; ++d) {
+      const T gk = gi[d] * ki[d];
+      db -= dnr[d] * gk;
+      dq[d] = gi[d] * dqg[d];
+      dk[d] = -b * gi[d] * dnr[d] + ed[d] * dkd[d];
+      dG[d] = static_cast<double>(-b * gk * dnr[d] + qgi[d] * dqg[d]);
+      // Kdec_i = k_i exp(G_last - G_i) depends on g_t for i < t <= last: dg_t gets the sum of
+      // Kdec_i . dKdec_i over i < t (an exclusive prefix sum, in acc[K:]).
+      dgx[d] = bw.acc[K + d];
+      bw.acc[K + d] += static_cast<double>(kd[d] * dkd[d]);
+    }
+    A.dbeta[(s0 + i) * HV + hv] = db;
+  }
+  for (int64_t d = 0; d < K; ++d) bw.dG[(n - 1) * K + d] += bw.acc[d];
+
+  // ---- through A0 and M: P_ij = sum_d X_id k_jd exp(G_id - G_jd) ----
+  for (int64_t I = 0; I < nb; ++I) {
+    const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub), rows = b1 - b0;
+    // Diagonal block, direct form: p_d = exp(G_id - G_jd) as the running product a_{j+1}..a_i.
+    T* __restrict p = bw.run;
+    for (int64_t j = b0; j < b1; ++j) {
+      const T* __restrict kj = c.k + j * K;
+      const T* __restrict qj = c.q + j * K;
+      T* __restrict dkj = bw.dk + j * K;
+      double* __restrict dGj = bw.dG + j * K;
+      {
+        const T tm = bw.dam[(2 * j + 1) * kC + j];
+        T* __restrict dqj = bw.dq + j * K;
+        for (int64_t d = 0; d < K; ++d) {
+          dqj[d] += tm * kj[d];
+          dkj[d] += tm * qj[d];
+          p[d] = T(1);
+        }
+      }
+      for (int64_t i = j + 1; i < b1; ++i) {
+        const T ta = bw.dam[2 * i * kC + j], tm = bw.dam[(2 * i + 1) * kC + j];
+        const T* __restrict ai = c.a + i * K;
+        const T* __restrict ki = c.k + i * K;
+        const T* __restrict qi = c.q + i * K;
+        T* __restrict dki = bw.dk + i * K;
+        T* __restrict dqi = bw.dq + i * K;
+        double* __restrict dGi = bw.dG + i * K;
+        for (int64_t d = 0; d < K; ++d) {
+          p[d] *= ai[d];
+          const T kje = kj[d] * p[d];
+          dki[d] += ta * kje;
+          dqi[d] += tm * kje;
+          const T x = (ta * ki[d] + tm * qi[d]) * p[d];
+          dkj[d] += x;
+          // The same value into both ends, in double: where t is not between j and i its two
+          // appearances in the reverse sum below cancel exactly.
+          const double y = static_cast<double>(x * kj[d]);
+          dGi[d] += y;
+          dGj[d] -= y;
+        }
+      }
+    }
+    if (I == 0) continue;
+    // Off-diagonal block [I, 0:b0], reference token r = b0 - 1: row factors Rf_i = a_b0..a_i,
+    // column factors Cf_j = a_{j+1}..a_r (both <= 1; G_r cancels).
+    for (int64_t d = 0; d < K; ++d) p[d] = T(1);
+    for (int64_t i = b0; i < b1; ++i) {
+      const T* __restrict ai = c.a + i * K;
+      const T* __restrict ki = c.k + i * K;
+      const T* __restrict qi = c.q + i * K;
+      T* __restrict rf = bw.rf + (i - b0) * K;
+      T* __restrict lk = bw.lq + 2 * (i - b0) * K;
+      T* __restrict lqq = lk + K;
+      for (int64_t d = 0; d < K; ++d) {
+        p[d] *= ai[d];
+        rf[d] = p[d];
+        lk[d] = ki[d] * p[d];
+        lqq[d] = qi[d] * p[d];
+      }
+    }
+    for (int64_t d = 0; d < K; ++d) p[d] = T(1);
+    for (int64_t j = b0 - 1; j >= 0; --j) {
+      const T* __restrict aj = c.a + j * K;
+      const T* __restrict kj = c.k + j * K;
+      T* __restrict cf = bw.cf + j * K;
+      T* __restrict kr = bw.kr + j * K;
+      for (int64_t d = 0; d < K; ++d) {
+        cf[d] = p[d];
+        kr[d] = kj[d] * p[d];
+        p[d] *= aj[d];
+      }
+    }
+    // [dKl_i; dQl_i] (interleaved) = [dA0; dM][I, :b0] Kr;  dKr = [dA0; dM][I, :b0]^T [Kl; Ql]
+    chunk::gemm(2 * rows, K, b0, bw.dam + 2 * b0 * kC, kC, bw.kr, K, bw.dlq, K, /*add=*/false);
+    transpose(2 * rows, b0, bw.dam + 2 * b0 * kC, kC, bw.damT, 2 * kSub);
+    chunk::gemm(b0, K, 2 * rows, bw.damT, 2 * kSub, bw.lq, K, bw.dkr, K, /*add=*/false);
+    // The pairs (i in I, j < b0) depend on g_t for j < t <= i: dg_t gets the row sums R_i =
+    // dKl_i . Kl_i + dQl_i . Ql_i over i >= t (t in (b0, b1)) or the column sums C_j =
+    // dKr_j . Kr_j over j < t (t in [1, b0]): sums of the pairs that involve t, formed
+    // directly (the reverse sum of dG would form them as differences of larger sums).
+    for (int64_t d = 0; d < K; ++d) bw.acc[d] = 0.0;
+    for (int64_t i = b1 - 1; i >= b0; --i) {
+      const T* __restrict rf = bw.rf + (i - b0) * K;
+      const T* __restrict lk = bw.lq + 2 * (i - b0) * K;
+      const T* __restrict lqq = lk + K;
+      const T* __restrict dlk = bw.dlq + 2 * (i - b0) * K;
+      const T* __restrict dlqq = dlk + K;
+      T* __restrict dki = bw.dk + i * K;
+      T* __restrict dqi = bw.dq + i * K;
+      double* __restrict dgi = bw.dgx + i * K;
+      for (int64_t d = 0; d < K; ++d) {
+        dki[d] += dlk[d] * rf[d];
+        dqi[d] += dlqq[d] * rf[d];
+        if (i > b0) {
+          bw.acc[d] += static_cast<double>(dlk[d] * lk[d] + dlqq[d] * lqq[d]);
+          dgi[d] += bw.acc[d];
+        }
+      }
+    }
+    for (int64_t d = 0; d < K; ++d) bw.acc[d] = 0.0;
+    for (int64_t j = 0; j < b0; ++j) {
+      const T* __restrict cf = bw.cf + j * K;
+      const T* __restrict kr = bw.kr + j * K;
+      const T* __restrict dkr = bw.dkr + j * K;
+      T* __restrict dkj = bw.dk + j * K;
+      double* __restrict dgn = bw.dgx + (j + 1) * K;  // t = j + 1
+      for (int64_t d = 0; d < K; ++d) {
+        dkj[d] += dkr[d] * cf[d];
+        bw.acc[d] += static_cast<double>(dkr[d] * kr[d]);
+        dgn[d] += bw.acc[d];
+      }
+    }
+  }
+
+  // ---- G = cumsum(g): dg_t = sum_{i >= t} dG_i + dgx_t, summed in double; a step with
+  // a = exp(g) = 0 (an infinite or underflowed decay) has dg = a dL/da = 0 (docs/math.md
+  // "Saturation") ----
+  for (int64_t d = 0; d < K; ++d) bw.acc[d] = 0.0;
+  for (int64_t i = n - 1; i >= 0; --i) {
+    const int64_t row = ((s0 + i) * HV + hv) * K;
+    const T* __restrict ai = c.a + i * K;
+    const double* __restrict dG = bw.dG + i * K;
+    const double* __restrict dgx = bw.dgx + i * K;
+    T* __restrict dg = A.dg + row;
+    for (int64_t d = 0; d < K; ++d) {
+      bw.acc[d] += dG[d];
+      dg[d] = ai[d] == T(0) ? T(0) : static_cast<T>(bw.acc[d] + dgx[d]);
+    }
+    std::memcpy(A.dq + row, bw.dq + i * K, sizeof(T) * K);
+    std::memcpy(A.dk + row, bw.dk + i * K, sizeof(T) * K);
+  }
+  std::memcpy(bw.dS, bw.dSnew, sizeof(T) * K * V);
+}
+
+// All chunks of value head hv of sequence n, last first.
+template <typename T>
+void bwd_unit(const UnitArgs<T>& A, int64_t n, int64_t hv, chunk::ChunkWork<T>& cw,
+              BwdWork<T>& bw) {
+  const int64_t K = A.K, V = A.V, HV = A.HV, BT = A.BT;
+  const int64_t h = hv / (HV / A.H);
+  const int64_t ts = A.seqs->start[n], te = A.seqs->end[n];
+  const int64_t origin = A.seqs->origin[n], slot_base = A.seqs->slot_base[n];
+  const int64_t state_off = (n * HV + hv) * K * V;
+  if (A.dht) {
+    std::memcpy(bw.dS, A.dht + state_off, sizeof(T) * K * V);
+  } else {
+    std::fill(bw.dS, bw.dS + K * V, T(0));
+  }
+  if (ts < te) {
+    const int64_t c_first = (ts - origin) / kC, c_last = (te - 1 - origin) / kC;
+    for (int64_t ci = c_last; ci >= c_first; --ci) {
+      const int64_t s0 = std::max(ts, origin + ci * kC);
+      const int64_t e = std::min(te, origin + (ci + 1) * kC);
+      // The state entering the chunk: the initial state at the sequence start (its checkpoint
+      // slot may belong to another sequence with cu_seqlens), else the checkpoint.
+      const T* S0 = s0 == ts ? (A.h0 ? A.h0 + state_off : nullptr)
+                             : A.ckpt + ((slot_base + ci) * HV + hv) * K * V;
+      chunk::ChunkIn<T> c;
+      c.n = e - s0;
+      c.K = K;
+      c.V = V;
+      c.q = A.q + (h * BT + s0) * K;
+      c.k = A.k + (h * BT + s0) * K;
+      c.a = A.a + (hv * BT + s0) * K;
+      c.beta = A.beta + hv * BT + s0;
+      c.v = A.v + (s0 * HV + hv) * V;
+      c.ldv = HV * V;
+      chunk_backward(A, c, s0, hv, S0, cw, bw);
+    }
+  }
+  std::memcpy(A.dh0 + state_off, bw.dS, sizeof(T) * K * V);
+}
+
+template <typename T>
+void run_chunk_bwd(const BwdSetup& s, const KernelGrads& kg) {
+  const Dims& d = s.d;
+  UnitArgs<T> A;
+  A.BT = d.B * d.T;
+  A.H = d.H;
+  A.HV = d.HV;
+  A.K = d.K;
+  A.V = d.V;
+  A.seqs = &s.seqs;
+  A.q = s.p.q.data_ptr<T>();
+  A.k = s.p.k_hm.data_ptr<T>();
+  A.a = s.p.a.data_ptr<T>();
+  A.beta = s.p.beta_hm.data_ptr<T>();
+  A.v = s.p.v.data_ptr<T>();
+  A.h0 = s.h0.defined() ? s.h0.data_ptr<T>() : nullptr;
+  A.ckpt = s.ckpt.numel() > 0 ? s.ckpt.data_ptr<T>() : nullptr;
+  A.dout = s.dout.data_ptr<T>();
+  A.dht = s.dht.defined() ? s.dht.data_ptr<T>() : nullptr;
+  A.dq = kg.dq.data_ptr<T>();
+  A.dk = kg.dk.data_ptr<T>();
+  A.dg = kg.dg.data_ptr<T>();
+  A.dbeta = kg.dbeta.data_ptr<T>();
+  A.dv = kg.dv.data_ptr<T>();
+  A.dh0 = kg.dh0.data_ptr<T>();
+  // One workspace per thread (forward pieces, then the backward's), reused by all its units.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t cw_elems = up(chunk::ChunkWork<T>::elems(d.K, d.V));
+  const int64_t stride = cw_elems + BwdWork<T>::elems(d.K, d.V);
+  const at::Tensor ws = at::empty({threads * stride}, kg.dq.options());
+  T* const ws0 = ws.data_ptr<T>();
+  at::parallel_for(0, d.N * d.HV, 1, [&](int64_t begin, int64_t end) {
+    T* base = ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * stride;
+    chunk::ChunkWork<T> cw(base, d.K, d.V);
+    BwdWork<T> bw(base + cw_elems, d.K, d.V);
+    for (int64_t u = begin; u < end; ++u) bwd_unit<T>(A, u / d.HV, u % d.HV, cw, bw);
+    chunk::gemm_release();
+  });
+}
+
+}  // namespace
+
+std::vector<at::Tensor> chunk_bwd_cpu(const at::Tensor& d_o,
+                                      const std::optional<at::Tensor>& d_final_state,
+                                      const at::Tensor& checkpoints, const Inputs& in,
+                                      const Config& cfg) {
+  const BwdSetup s = backward_setup(d_o, d_final_state, checkpoints, in, cfg);
+  const Dims& d = s.d;
+  const auto opts = in.q.options().dtype(compute_dtype(in.q));
+  const int64_t BT = d.B * d.T;
+  // Gradients per value head (one partial: a unit owns all columns of its head).
+  KernelGrads kg;
+  kg.groups = 1;
+  kg.dq = at::empty({1, BT, d.HV, d.K}, opts);
+  kg.dk = at::empty({1, BT, d.HV, d.K}, opts);
+  kg.dg = at::empty({1, BT, d.HV, d.K}, opts);
+  kg.dbeta = at::empty({1, BT, d.HV}, opts);
+  kg.dv = at::empty({BT, d.HV, d.V}, opts);
+  kg.dh0 = at::empty({d.N, d.HV, d.K, d.V}, opts);
+  for (const at::Tensor* t : {&kg.dq, &kg.dk, &kg.dg, &kg.dv}) advise_huge_pages(*t);
+  if (opts.dtype() == at::kDouble) {
+    run_chunk_bwd<double>(s, kg);
+  } else {
+    run_chunk_bwd<float>(s, kg);
+  }
+  return backward_finish(s, kg, in, cfg);
+}
+
+}  // namespace detail
+}  // namespace kda

@@ -33,12 +33,28 @@ using chunk::kSub;
 constexpr int64_t kAlign = 16;  // elements: every part of the workspace starts 64-byte aligned
 inline int64_t up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-// dst[c, r] = src[r, c] for a rows x cols block (leading dimensions lds, ldd).
+// The per-chunk backward is compiled for AVX-512 and AVX2+FMA besides the baseline, chosen at
+// load time (GCC/Clang function multi-versioning; chunk_common.cpp does the same for the forward
+// pieces); the GEMMs pick their own kernels. One machine always runs the same clone, so results
+// stay bitwise reproducible there.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__APPLE__)
+#define KDA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define KDA_CLONES
+#endif
+
+// dst[c, r] = src[r, c] for a rows x cols block (leading dimensions lds, ldd), in 8 x 8 tiles.
 template <typename T>
-void transpose(int64_t rows, int64_t cols, const T* src, int64_t lds, T* dst, int64_t ldd) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* s = src + r * lds;
-    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = s[c];
+inline void transpose(int64_t rows, int64_t cols, const T* __restrict src, int64_t lds,
+                      T* __restrict dst, int64_t ldd) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int64_t r1 = std::min(rows, r0 + 8);
+    for (int64_t c0 = 0; c0 < cols; c0 += 8) {
+      const int64_t c1 = std::min(cols, c0 + 8);
+      for (int64_t c = c0; c < c1; ++c) {
+        for (int64_t r = r0; r < r1; ++r) dst[c * ldd + r] = src[r * lds + c];
+      }
+    }
   }
 }
 
@@ -155,7 +171,7 @@ struct UnitArgs {
 // head hv: S0 the state entering the chunk (null: zeros), bw.dS the gradient w.r.t. the state
 // leaving it on entry and w.r.t. the state entering it on return.
 template <typename T>
-void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c, int64_t s0, int64_t hv,
+KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c, int64_t s0, int64_t hv,
                     const T* S0, chunk::ChunkWork<T>& cw, BwdWork<T>& bw) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V, HV = A.HV;
   const int64_t nb = (n + kSub - 1) / kSub;

@@ -9,6 +9,7 @@ package's ``__path__``: a regular install has one (site-packages/torch_kda); an 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -16,6 +17,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ._checks import KDAInputs, ServingArgs, check_value_domain, warn_unstable_writes
+from ._pool import gather_states, scatter_states, sequences
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _FIX = ("reinstall with `pip install --no-build-isolation .` (`-e .` for an editable install; it needs "
@@ -70,12 +72,17 @@ def _load() -> Optional[str]:
 LOAD_ERROR: Optional[str] = _load()
 
 
-def _run(op, x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    warn_unstable_writes(x)
-    o, final_state = op(
+def _call(op, x: KDAInputs):
+    """``op`` (a ``kda::`` forward with the schema of ``fused_recurrent``) on checked inputs."""
+    return op(
         x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, x.use_qk_l2norm_in_kernel,
         x.use_gate_in_kernel, x.use_beta_sigmoid_in_kernel, x.allow_neg_eigval, x.lower_bound,
         x.state_v_first, x.cu_seqlens, x.A_log, x.dt_bias)
+
+
+def _run(op, x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    warn_unstable_writes(x)
+    o, final_state = _call(op, x)
     return o, (final_state if x.output_final_state else None)
 
 
@@ -120,15 +127,21 @@ def _any_requires_grad(x: KDAInputs) -> Optional[str]:
     return None
 
 
-def serving(x: KDAInputs, s: ServingArgs):
-    """Serving arguments through ``torch.ops.kda.fused_recurrent_serving`` (in-place pool updates,
-    snapshots, pad slots, head-wise beta; forward only). Returns ``(o, final_state)``."""
+def _forward_only(x: KDAInputs) -> None:
+    """The native serving paths have no backward: refuse inputs that require grad."""
     if torch.is_grad_enabled():
         name = _any_requires_grad(x)
         if name is not None:
             raise ValueError(f"backend='native' runs the serving arguments (ssm_state_indices, "
-                             f"inplace_final_state, out=, head-wise beta) forward only, but {name} "
-                             "requires grad; use backend='reference' for gradients")
+                             f"inplace_final_state, out=, head-wise beta, "
+                             f"return_intermediate_states) forward only, but {name} requires "
+                             "grad; use backend='reference' for gradients")
+
+
+def serving(x: KDAInputs, s: ServingArgs):
+    """Serving arguments through ``torch.ops.kda.fused_recurrent_serving`` (in-place pool updates,
+    snapshots, pad slots, head-wise beta; forward only). Returns ``(o, final_state)``."""
+    _forward_only(x)
     # The serving op has its own pre-processing: the domain checks (g <= 0, beta in [0, 2]) run
     # here, before anything is written to the pool (one reduction over g and beta).
     check_value_domain(x)
@@ -143,3 +156,143 @@ def serving(x: KDAInputs, s: ServingArgs):
         x.use_qk_l2norm_in_kernel, x.use_gate_in_kernel, x.use_beta_sigmoid_in_kernel,
         x.allow_neg_eigval, x.lower_bound, x.state_v_first, x.cu_seqlens, x.A_log, x.dt_bias)
     return out, (x.initial_state if s.inplace_final_state else final)
+
+
+# The native chunk kernel's chunk length (kernels::kChunk): its checkpoints are the states entering
+# each chunk of this many tokens, FLA's intermediate states when chunk_size equals it.
+CHUNK = 64
+
+
+def chunk_serving(x: KDAInputs, s: ServingArgs):
+    """Prefill into a state pool through the chunkwise kernel (``chunk_kda``'s serving arguments).
+
+    Gathers the start states of the sequences (``_pool.gather_states``: pool slots, zeros for pad
+    sequences), runs ``torch.ops.kda.chunk`` on them (``kda::chunk_fwd`` when the chunk-entry
+    states are wanted), scatters the final states back (``_pool.scatter_states``: in place, one
+    rounding for a bf16 pool; unnamed slots untouched) and writes ``s.out`` when given. Pad
+    sequences run from a zero state (their tokens are in the packed inputs anyway) and get zero
+    output, nothing written. Nothing is written before the op returns, so a call it rejects
+    (``g > 0``, ``beta`` outside ``[0, 2]``) leaves the pool unchanged. Forward only.
+
+    With ``s.return_intermediate_states`` (``x.chunk_size`` must be :data:`CHUNK`) also returns
+    ``h``, FLA's ``[B, NT, HV, K, V]`` (``[1, NT_total, ...]`` with ``cu_seqlens``; ``V, K``
+    with ``state_v_first``): the op's checkpoints, which are the states entering each 64-token
+    chunk (see :func:`_entry_states`).
+
+    Returns ``(o, final_state)`` or ``(o, final_state, h)``, as ``reference.run_serving_reference``.
+    """
+    _forward_only(x)
+    warn_unstable_writes(x)
+    want_h = s.return_intermediate_states
+    if want_h and x.chunk_size != CHUNK:
+        raise ValueError(f"the native chunk kernel's intermediate states are every {CHUNK} tokens, "
+                         f"got chunk_size={x.chunk_size}")
+    starts = gather_states(x, s)
+    op = torch.ops.kda.chunk_fwd if want_h else torch.ops.kda.chunk
+    runs = []  # (first sequence, end sequence, first token, o, final states, checkpoints or None)
+    for n0, n1, t0, t1 in _segments(x, s, want_h):
+        part = x
+        if (n0, n1, t0, t1) != (0, x.N, 0, x.T):  # a slice of the packed (B = 1) batch: views
+            cu = x.cu_seqlens[n0:n1 + 1] - t0
+            part = dataclasses.replace(
+                x, q=x.q[:, t0:t1], k=x.k[:, t0:t1], v=x.v[:, t0:t1], g=x.g[:, t0:t1],
+                beta=x.beta[:, t0:t1], cu_seqlens=cu, T=t1 - t0, N=n1 - n0)
+        part = dataclasses.replace(part, initial_state=None if starts is None else starts[n0:n1])
+        r = _call(op, part)
+        runs.append((n0, n1, t0, r[0], r[1], r[2] if want_h else None))
+
+    if len(runs) == 1 and s.out is None:
+        o = runs[0][3]
+    else:
+        o = s.out if s.out is not None else x.q.new_empty(x.B, x.T, x.HV, x.V)
+        with torch.no_grad():
+            for _, _, t0, o_part, _, _ in runs:
+                o[:, t0:t0 + o_part.shape[1]].copy_(o_part)
+    final = runs[0][4] if len(runs) == 1 else torch.cat([r[4] for r in runs])
+    pads = [n for n in range(x.N) if s.is_pad[n]]
+    bounds = sequences(x)
+    with torch.no_grad():
+        for n in pads:  # pad sequences ran from zeros: zero output, zero state, nothing written
+            b, start, end = bounds[n]
+            o[b, start:end] = 0
+        final[pads] = 0
+    if s.final_slots is not None:
+        scatter_states(x.initial_state, s.final_slots, final)
+    final = x.initial_state if s.inplace_final_state else (final if x.output_final_state else None)
+    if not want_h:
+        return o, final
+    return o, final, _entry_states(x, s, starts, runs, bounds)
+
+
+def _segments(x: KDAInputs, s: ServingArgs, want_h: bool) -> List[Tuple[int, int, int, int]]:
+    """The op calls: ``(first sequence, end sequence, first token, end token)`` each.
+
+    One call, except for packed sequences whose chunk-entry states are wanted: the op cuts a packed
+    batch into chunks at multiples of 64 tokens from the start of the batch (a sequence starting
+    inside a chunk has a shorter first chunk; csrc/cpu/chunk_fwd.cpp), so its checkpoints are a
+    sequence's own chunk-entry states only where the sequence starts at such a multiple. A new call
+    (views of the inputs, no copy) starts at each sequence longer than one chunk that does not;
+    sequences of one chunk or less need only their start state, which is known.
+    """
+    if not want_h or x.cu_seqlens is None:
+        return [(0, x.N, 0, x.T)]
+    cu = x.seq_bounds
+    segs, first = [], 0
+    for n in range(x.N):
+        if n > first and s.seq_lens[n] > CHUNK and (cu[n] - cu[first]) % CHUNK != 0:
+            segs.append((first, n, cu[first], cu[n]))
+            first = n
+    segs.append((first, x.N, cu[first], cu[x.N]))
+    return segs
+
+
+def _entry_states(x: KDAInputs, s: ServingArgs, starts: Optional[torch.Tensor], runs,
+                  bounds) -> torch.Tensor:
+    """FLA's intermediate states from the checkpoints ``[n_slots, HV, K, V]`` (K-first) of the calls.
+
+    Slot ``c`` of a call holds the state before its token ``origin + 64 c`` (csrc/cpu/chunk_fwd.cpp).
+    Batch rows (no ``cu_seqlens``): row ``b`` enters its chunk ``c`` at slot ``b * NT + c``, so the
+    checkpoints are ``h`` as they are (a view; one transposing copy for V-first). Packed: sequence
+    ``n`` of a call starting at token ``t0`` enters its chunk ``c`` at slot ``(start_n - t0) / 64 + c``
+    where 64 divides ``start_n - t0`` (every sequence longer than one chunk, by :func:`_segments`),
+    else (one chunk) at its start state. Where every entry is the slot of its own position (one
+    call, every sequence starting at a multiple of 64) the checkpoints are again ``h`` as they are;
+    otherwise the entries are gathered (one copy). Entries of pad sequences are zeros.
+    """
+    kfirst = (lambda S: S.transpose(-1, -2)) if x.state_v_first else (lambda S: S)
+    if x.cu_seqlens is None:
+        ck = runs[0][5]
+        h = kfirst(ck.view(x.B, -(-x.T // CHUNK), *ck.shape[1:])).contiguous()
+        h[[n for n in range(x.N) if s.is_pad[n]]] = 0
+        return h
+    pos, pads = 0, []
+    from_ck = []  # per call: (checkpoints, entry positions, their slots)
+    from_start = ([], [])  # (entry positions, sequences)
+    for n0, n1, t0, _, _, ck in runs:
+        where, slots = [], []
+        for n in range(n0, n1):
+            _, start, end = bounds[n]
+            nt = -(-(end - start) // CHUNK)
+            if s.is_pad[n]:
+                pads.extend(range(pos, pos + nt))
+            if (start - t0) % CHUNK == 0:
+                where.extend(range(pos, pos + nt))
+                slots.extend(range((start - t0) // CHUNK, (start - t0) // CHUNK + nt))
+            elif nt:  # one chunk (_segments): the state it starts from
+                from_start[0].append(pos)
+                from_start[1].append(n)
+            pos += nt
+        from_ck.append((ck, where, slots))
+    ck0, where0, slots0 = from_ck[0]
+    if len(runs) == 1 and not from_start[0] and where0 == slots0 and pos == ck0.shape[0]:
+        h_k = ck0  # the checkpoints are the entries, in order
+    else:
+        h_k = ck0.new_empty(pos, *ck0.shape[1:])
+        for ck, where, slots in from_ck:
+            if where:
+                h_k[where] = ck[slots]
+        if from_start[0]:
+            h_k[from_start[0]] = 0 if starts is None else kfirst(starts)[from_start[1]]
+    h = kfirst(h_k).contiguous()
+    h[pads] = 0
+    return h.unsqueeze(0)

@@ -194,12 +194,17 @@ def chunk_kda(
             (FLA accepts 32 or 64).
         ssm_state_indices, inplace_final_state, out, pad_slot_id: prefill into a state pool, as in
             :func:`fused_recurrent_kda` (1-D indices only), so a mixed batch (long prompts and
-            single decode tokens packed with ``cu_seqlens``) runs in one call.
+            single decode tokens packed with ``cu_seqlens``) runs in one call. On CPU the native
+            backend (and ``"auto"`` where it picks the chunkwise kernel) runs the chunkwise kernel
+            from the gathered slots and scatters the final states back in place; ``"auto"`` keeps
+            decoding on the token-by-token serving kernel (docs/serving.md "Backends").
         return_intermediate_states: also return, for prefix caching, the state entering each chunk
             (entry i = the state after i * chunk_size tokens of its sequence), FLA's shape and
             order: ``[B, NT, HV, K, V]`` (``[1, NT_total, ...]`` with ``cu_seqlens``), fp32 (fp64
             for fp64 inputs), in the requested layout; the call then returns ``(o, final_state, h)``.
-            Inference only.
+            Inference only. On CPU with ``chunk_size=64`` these are the native chunkwise kernel's
+            own checkpoints (``"native"`` and ``"auto"``); other chunk sizes run the chunkwise
+            reference (correct, not fast).
         cu_seqlens_cpu: keyword only, FLA's host copy of ``cu_seqlens`` (same values, on the CPU);
             checked like ``cu_seqlens`` and against it (when ``cu_seqlens`` is on the CPU).
             Requires ``cu_seqlens``.
@@ -230,11 +235,18 @@ def chunk_kda(
         return_intermediate_states=return_intermediate_states, method="chunk")
     chosen = _resolve_backend(backend, x)
     if srv is not None:
-        if chosen == "native" and not return_intermediate_states:
-            return _native.serving(x, srv)
         if chosen == "fla":
             return _fla.serving_chunk(x, srv)
-        # the chunk-entry states come from the chunkwise reference on every CPU backend
+        if chosen == "native":
+            if return_intermediate_states:
+                # the native kernel's checkpoints are the entries every 64 tokens; other chunk
+                # sizes come from the chunkwise reference
+                if x.chunk_size == _native.CHUNK:
+                    return _native.chunk_serving(x, srv)
+            elif backend == "native" or _native.prefer_chunk(x):
+                return _native.chunk_serving(x, srv)
+            else:  # decoding, short sequences: the token-by-token serving kernel
+                return _native.serving(x, srv)
         return reference.run_serving_reference(x, srv, "chunk")
     if chosen == "native":
         if backend == "native" or _native.prefer_chunk(x):

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import KDAInputs, ServingArgs, check_gate_args, check_kda_inputs, check_value_domain
+from ._pool import gather_states, scatter_states, sequences
 
 __all__ = ["fused_recurrent_kda", "chunk_kda", "kda_gate", "l2norm"]
 
@@ -271,14 +272,6 @@ def run_reference(x: KDAInputs, method: str) -> Tuple[torch.Tensor, Optional[tor
 # ---- serving: a state pool addressed by slot indices (docs/serving.md) ------------------------
 
 
-def _sequences(x: KDAInputs):
-    """``(batch row, first token, end token)`` of every sequence, in order."""
-    if x.cu_seqlens is None:
-        return [(b, 0, x.T) for b in range(x.B)]
-    bounds = x.seq_bounds
-    return [(0, bounds[n], bounds[n + 1]) for n in range(x.N)]
-
-
 def run_serving_reference(x: KDAInputs, s: ServingArgs, method: str = "recurrent"):
     """The serving contract in plain PyTorch: gather each sequence's state, run it, scatter back.
 
@@ -294,30 +287,19 @@ def run_serving_reference(x: KDAInputs, s: ServingArgs, method: str = "recurrent
     """
     check_value_domain(x)  # before anything is written to the pool (docs/bad_inputs.md)
     q, k, v, g, beta = _prepare(x)
-    dtype, pool = x.compute_dtype, x.initial_state
-
-    def load(slot):  # a pool slot as [1, HV, K, V] in the compute dtype
-        S = pool[slot].to(dtype, copy=True).unsqueeze(0)  # never a view: the pool is written
-        return S.transpose(-1, -2) if x.state_v_first else S
-
-    def store(slot, S):  # the pool is updated in place (the checks made this inference only)
-        with torch.no_grad():
-            pool[slot] = (S[0].transpose(-1, -2) if x.state_v_first else S[0]).to(pool.dtype)
+    pool = x.initial_state
+    layout = (lambda S: S.transpose(-1, -2)) if x.state_v_first else (lambda S: S)  # K-first <-> pool
+    starts = gather_states(x, s)  # [N, ...] compute dtype, pool layout; zeros for pad sequences
 
     o = v.new_zeros(v.shape)
     finals, inter = [], []
-    for n, (b, start, end) in enumerate(_sequences(x)):
+    for n, (b, start, end) in enumerate(sequences(x)):
         if s.is_pad[n]:  # pad slot: zero output, nothing read or written
             finals.append(v.new_zeros(1, x.HV, x.K, x.V))
             if method == "chunk" and s.return_intermediate_states:
-                inter.append(v.new_zeros(-(-(end - start) // x.chunk_size), x.HV, x.K, x.V))
+                inter.extend(v.new_zeros(-(-(end - start) // x.chunk_size), x.HV, x.K, x.V))
             continue
-        if s.read_slots[n] is not None:
-            S = load(s.read_slots[n])
-        elif pool is not None:
-            S = load(n)
-        else:
-            S = v.new_zeros(1, x.HV, x.K, x.V)
+        S = layout(starts[n:n + 1]) if starts is not None else v.new_zeros(1, x.HV, x.K, x.V)
         seq = [t[b:b + 1, start:end] for t in (q, k, v, g, beta)]
         outs = []
         if method == "chunk":  # chunk by chunk, keeping the state entering each chunk
@@ -330,12 +312,12 @@ def run_serving_reference(x: KDAInputs, s: ServingArgs, method: str = "recurrent
                 o_t, S = _recurrent_scan(*(u[:, t:t + 1] for u in seq), S)
                 outs.append(o_t)
                 if s.snapshot_slots is not None and s.snapshot_slots[n][t] is not None:
-                    store(s.snapshot_slots[n][t], S)
+                    scatter_states(pool, [s.snapshot_slots[n][t]], layout(S))
         if outs:
             o[b:b + 1, start:end] = torch.cat(outs, dim=1)
         finals.append(S)
-        if s.final_slots is not None and s.final_slots[n] is not None:
-            store(s.final_slots[n], S)
+    if s.final_slots is not None and finals:  # in-place calls (the checks made this inference only)
+        scatter_states(pool, s.final_slots, layout(torch.cat(finals, dim=0)))
 
     o = o.to(x.q.dtype)
     if s.out is not None:

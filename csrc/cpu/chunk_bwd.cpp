@@ -84,6 +84,7 @@ struct BwdWork {
   T* damT;   // [kC, 2 kSub]
   T* lq;     // [2 kSub, K] interleaved row factors k_i Rf_i, q_i Rf_i of one row block
   T* dlq;    // [2 kSub, K]
+  T* dlq2;   // [2 kSub, K]
   T* rf;     // [kSub, K]  Rf_i = exp(G_i - G_r)
   T* cf;     // [kC, K]    Cf_j = exp(G_r - G_j)
   T* kr;     // [kC, K]    k_j Cf_j
@@ -91,6 +92,7 @@ struct BwdWork {
   T* dq;     // [kC, K]
   T* dk;     // [kC, K]
   T* run;    // [K]
+  T* run2;   // [K]
   // The gradient w.r.t. g, in double (see "G = cumsum(g)" in chunk_backward): dG w.r.t. the
   // cumulative log decay G (summed in reverse into dg), dgx added to dg directly, acc [K].
   double *dG, *dgx, *acc;
@@ -99,8 +101,8 @@ struct BwdWork {
     const int64_t ld = K + V;
     return 5 * up(K * V) + 3 * up(kC * ld) + 2 * up(kC * V) + up(2 * kC * V) +
            up(2 * kC * K) + 2 * up(kC * kC) + 3 * up(kC * K) + up(K * 2 * kC) + up(2 * kC * kC) +
-           up(kC * 2 * kSub) + 2 * up(2 * kSub * K) + up(kSub * K) + 3 * up(kC * K) +
-           2 * up(kC * K) + up(K) + 2 * up(2 * kC * K) + up(4 * K);
+           up(kC * 2 * kSub) + 3 * up(2 * kSub * K) + up(kSub * K) + 3 * up(kC * K) +
+           2 * up(kC * K) + 2 * up(K) + 2 * up(2 * kC * K) + up(4 * K);
   }
   BwdWork(T* base, int64_t K, int64_t V) {
     const int64_t ld = K + V;
@@ -132,6 +134,7 @@ struct BwdWork {
     damT = take(kC * 2 * kSub);
     lq = take(2 * kSub * K);
     dlq = take(2 * kSub * K);
+    dlq2 = take(2 * kSub * K);
     rf = take(kSub * K);
     cf = take(kC * K);
     kr = take(kC * K);
@@ -139,6 +142,7 @@ struct BwdWork {
     dq = take(kC * K);
     dk = take(kC * K);
     run = take(K);
+    run2 = take(K);
     // (2 n elements of T hold n doubles for T = float and T = double)
     dG = reinterpret_cast<double*>(take(2 * kC * K));
     dgx = reinterpret_cast<double*>(take(2 * kC * K));
@@ -166,6 +170,65 @@ struct UnitArgs {
   T* dv = nullptr;          // [BT, HV, V]
   T* dh0 = nullptr;         // [N, HV, K, V]
 };
+
+// Smallest total decay of a 16-token block for which the block's own pairs take the factored
+// form (column factors 1 / Rf_j <= e^60 in float, e^600 in double: products stay finite); the
+// forward (chunk_common.cpp) uses the same bounds.
+template <typename T>
+constexpr T kMinBlockDecay = T(8.75651076e-27);  // e^-60
+template <>
+constexpr double kMinBlockDecay<double> = 2.6503965530043108e-261;  // e^-600
+
+// The pairs j <= i of the diagonal block [b0, b1) in the direct form: exp(G_i - G_j) is the
+// running product a_{j+1}..a_i. Adds to dG (float64) and, with kWithQK, to dq and dk. dG gets
+// the same rounded value at both ends of a pair, so the pairs that do not involve g_t cancel
+// exactly in the reverse sum of dG (the factored products would leave rounding residues there,
+// and make dg_t of a later token depend on nothing but rounding).
+template <typename T, bool kWithQK>
+inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_t b1,
+                                  BwdWork<T>& bw) {
+  const int64_t K = c.K;
+  T* __restrict p = bw.run2;
+  for (int64_t j = b0; j < b1; ++j) {
+    const T* __restrict kj = c.k + j * K;
+    const T* __restrict qj = c.q + j * K;
+    T* __restrict dkj = bw.dk + j * K;
+    double* __restrict dGj = bw.dG + j * K;
+    {
+      const T tm = bw.dam[(2 * j + 1) * kC + j];
+      T* __restrict dqj = bw.dq + j * K;
+      for (int64_t d = 0; d < K; ++d) {
+        if (kWithQK) {
+          dqj[d] += tm * kj[d];
+          dkj[d] += tm * qj[d];
+        }
+        p[d] = T(1);
+      }
+    }
+    for (int64_t i = j + 1; i < b1; ++i) {
+      const T ta = bw.dam[2 * i * kC + j], tm = bw.dam[(2 * i + 1) * kC + j];
+      const T* __restrict ai = c.a + i * K;
+      const T* __restrict ki = c.k + i * K;
+      const T* __restrict qi = c.q + i * K;
+      T* __restrict dki = bw.dk + i * K;
+      T* __restrict dqi = bw.dq + i * K;
+      double* __restrict dGi = bw.dG + i * K;
+      for (int64_t d = 0; d < K; ++d) {
+        p[d] *= ai[d];
+        const T x = (ta * ki[d] + tm * qi[d]) * p[d];
+        if (kWithQK) {
+          const T kje = kj[d] * p[d];
+          dki[d] += ta * kje;
+          dqi[d] += tm * kje;
+          dkj[d] += x;
+        }
+        const double y = static_cast<double>(x * kj[d]);
+        dGi[d] += y;
+        dGj[d] -= y;
+      }
+    }
+  }
+}
 
 // The backward of one chunk (docs/math.md "Chunkwise backward"), tokens [s0, s0 + c.n) of value
 // head hv: S0 the state entering the chunk (null: zeros), bw.dS the gradient w.r.t. the state
@@ -307,51 +370,15 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
   }
   for (int64_t d = 0; d < K; ++d) bw.dG[(n - 1) * K + d] += bw.acc[d];
 
-  // ---- through A0 and M: P_ij = sum_d X_id k_jd exp(G_id - G_jd) ----
+  // ---- through A0 and M: P_ij = sum_d X_id k_jd exp(G_id - G_jd), X = k (A0) or q (M) ----
+  // Row block I = [b0, b1): the pairs (i in I, j < b0) in the factored form with the reference
+  // token r = b0 - 1 (row factors Rf_i = a_b0..a_i, column factors Cf_j = a_{j+1}..a_r, both
+  // <= 1; G_r cancels); the block's own pairs (j <= i in I) join the same products with column
+  // factors 1 / Rf_j where the block's total decay keeps them <= e^60 (as the forward does),
+  // else take the direct form (running products a_{j+1}..a_i).
+  T* __restrict p = bw.run;
   for (int64_t I = 0; I < nb; ++I) {
     const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub), rows = b1 - b0;
-    // Diagonal block, direct form: p_d = exp(G_id - G_jd) as the running product a_{j+1}..a_i.
-    T* __restrict p = bw.run;
-    for (int64_t j = b0; j < b1; ++j) {
-      const T* __restrict kj = c.k + j * K;
-      const T* __restrict qj = c.q + j * K;
-      T* __restrict dkj = bw.dk + j * K;
-      double* __restrict dGj = bw.dG + j * K;
-      {
-        const T tm = bw.dam[(2 * j + 1) * kC + j];
-        T* __restrict dqj = bw.dq + j * K;
-        for (int64_t d = 0; d < K; ++d) {
-          dqj[d] += tm * kj[d];
-          dkj[d] += tm * qj[d];
-          p[d] = T(1);
-        }
-      }
-      for (int64_t i = j + 1; i < b1; ++i) {
-        const T ta = bw.dam[2 * i * kC + j], tm = bw.dam[(2 * i + 1) * kC + j];
-        const T* __restrict ai = c.a + i * K;
-        const T* __restrict ki = c.k + i * K;
-        const T* __restrict qi = c.q + i * K;
-        T* __restrict dki = bw.dk + i * K;
-        T* __restrict dqi = bw.dq + i * K;
-        double* __restrict dGi = bw.dG + i * K;
-        for (int64_t d = 0; d < K; ++d) {
-          p[d] *= ai[d];
-          const T kje = kj[d] * p[d];
-          dki[d] += ta * kje;
-          dqi[d] += tm * kje;
-          const T x = (ta * ki[d] + tm * qi[d]) * p[d];
-          dkj[d] += x;
-          // The same value into both ends, in double: where t is not between j and i its two
-          // appearances in the reverse sum below cancel exactly.
-          const double y = static_cast<double>(x * kj[d]);
-          dGi[d] += y;
-          dGj[d] -= y;
-        }
-      }
-    }
-    if (I == 0) continue;
-    // Off-diagonal block [I, 0:b0], reference token r = b0 - 1: row factors Rf_i = a_b0..a_i,
-    // column factors Cf_j = a_{j+1}..a_r (both <= 1; G_r cancels).
     for (int64_t d = 0; d < K; ++d) p[d] = T(1);
     for (int64_t i = b0; i < b1; ++i) {
       const T* __restrict ai = c.a + i * K;
@@ -367,6 +394,24 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
         lqq[d] = qi[d] * p[d];
       }
     }
+    T least = T(1);
+    for (int64_t d = 0; d < K; ++d) least = std::min(least, p[d]);
+    const bool factored = least >= kMinBlockDecay<T>;
+    if (factored) {
+      for (int64_t j = b0; j < b1; ++j) {
+        const T* __restrict rf = bw.rf + (j - b0) * K;
+        const T* __restrict kj = c.k + j * K;
+        T* __restrict cf = bw.cf + j * K;
+        T* __restrict kr = bw.kr + j * K;
+        for (int64_t d = 0; d < K; ++d) {
+          cf[d] = T(1) / rf[d];
+          kr[d] = kj[d] * cf[d];
+        }
+      }
+      direct_diagonal_block<T, false>(c, b0, b1, bw);  // dG only
+    } else {
+      direct_diagonal_block<T, true>(c, b0, b1, bw);
+    }
     for (int64_t d = 0; d < K; ++d) p[d] = T(1);
     for (int64_t j = b0 - 1; j >= 0; --j) {
       const T* __restrict aj = c.a + j * K;
@@ -379,14 +424,26 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
         p[d] *= aj[d];
       }
     }
-    // [dKl_i; dQl_i] (interleaved) = [dA0; dM][I, :b0] Kr;  dKr = [dA0; dM][I, :b0]^T [Kl; Ql]
-    chunk::gemm(2 * rows, K, b0, bw.dam + 2 * b0 * kC, kC, bw.kr, K, bw.dlq, K, /*add=*/false);
-    transpose(2 * rows, b0, bw.dam + 2 * b0 * kC, kC, bw.damT, 2 * kSub);
-    chunk::gemm(b0, K, 2 * rows, bw.damT, 2 * kSub, bw.lq, K, bw.dkr, K, /*add=*/false);
-    // The pairs (i in I, j < b0) depend on g_t for j < t <= i: dg_t gets the row sums R_i =
-    // dKl_i . Kl_i + dQl_i . Ql_i over i >= t (t in (b0, b1)) or the column sums C_j =
-    // dKr_j . Kr_j over j < t (t in [1, b0]): sums of the pairs that involve t, formed
-    // directly (the reverse sum of dG would form them as differences of larger sums).
+    const int64_t cols = factored ? b1 : b0;
+    if (cols == 0) continue;
+    // [dRow_k; dRow_q] (rows interleaved) = [dA0; dM][I, :cols] Col, the columns before the block
+    // (dlq) and the block's own (dlq2) apart; dCol = [dA0; dM][I, :cols]^T [Row_k; Row_q]
+    // (dA0 and dM are zero above their diagonal).
+    if (b0 > 0) {
+      chunk::gemm(2 * rows, K, b0, bw.dam + 2 * b0 * kC, kC, bw.kr, K, bw.dlq, K, /*add=*/false);
+    } else {
+      std::fill(bw.dlq, bw.dlq + 2 * rows * K, T(0));
+    }
+    if (factored) {
+      chunk::gemm(2 * rows, K, rows, bw.dam + 2 * b0 * kC + b0, kC, bw.kr + b0 * K, K, bw.dlq2,
+                  K, /*add=*/false);
+    }
+    transpose(2 * rows, cols, bw.dam + 2 * b0 * kC, kC, bw.damT, 2 * kSub);
+    chunk::gemm(cols, K, 2 * rows, bw.damT, 2 * kSub, bw.lq, K, bw.dkr, K, /*add=*/false);
+    // dg_t collects the pairs (i in I, j < b0) with j < t <= i, formed directly (a reverse sum of
+    // dG would form them as differences of larger sums): for t in [1, b0] the column sums
+    // C_j = dCol_j . Col_j over j < t, for t in (b0, b1) the row sums R_i = dRow_i . Row_i over
+    // i >= t. (The block's own pairs went to dG above.)
     for (int64_t d = 0; d < K; ++d) bw.acc[d] = 0.0;
     for (int64_t i = b1 - 1; i >= b0; --i) {
       const T* __restrict rf = bw.rf + (i - b0) * K;
@@ -394,16 +451,26 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
       const T* __restrict lqq = lk + K;
       const T* __restrict dlk = bw.dlq + 2 * (i - b0) * K;
       const T* __restrict dlqq = dlk + K;
+      const T* __restrict dlk2 = bw.dlq2 + 2 * (i - b0) * K;
+      const T* __restrict dlqq2 = dlk2 + K;
       T* __restrict dki = bw.dk + i * K;
       T* __restrict dqi = bw.dq + i * K;
       double* __restrict dgi = bw.dgx + i * K;
       for (int64_t d = 0; d < K; ++d) {
-        dki[d] += dlk[d] * rf[d];
-        dqi[d] += dlqq[d] * rf[d];
-        if (i > b0) {
-          bw.acc[d] += static_cast<double>(dlk[d] * lk[d] + dlqq[d] * lqq[d]);
-          dgi[d] += bw.acc[d];
-        }
+        bw.acc[d] += static_cast<double>(dlk[d] * lk[d] + dlqq[d] * lqq[d]);
+        if (i > b0) dgi[d] += bw.acc[d];
+        const T rk = factored ? dlk[d] + dlk2[d] : dlk[d];
+        const T rq = factored ? dlqq[d] + dlqq2[d] : dlqq[d];
+        dki[d] += rk * rf[d];
+        dqi[d] += rq * rf[d];
+      }
+    }
+    if (factored) {
+      for (int64_t j = b0; j < b1; ++j) {
+        const T* __restrict cf = bw.cf + j * K;
+        const T* __restrict dkr = bw.dkr + j * K;
+        T* __restrict dkj = bw.dk + j * K;
+        for (int64_t d = 0; d < K; ++d) dkj[d] += dkr[d] * cf[d];
       }
     }
     for (int64_t d = 0; d < K; ++d) bw.acc[d] = 0.0;

@@ -240,10 +240,11 @@ def _time_call(fn, shape: Shape, dtype: torch.dtype, mode: str, cache: dict) -> 
     return el
 
 
-def gemm_gflops(n: int = GEMM_N) -> float:
-    """One sample of the fp32 ``torch.mm`` rate (GFLOP/s) at the current thread count."""
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
+def gemm_gflops(n: int = GEMM_N, dtype: torch.dtype = torch.float32) -> float:
+    """One sample of the ``torch.mm`` rate (GFLOP/s) in ``dtype`` (fp32 by default; bf16 for the
+    chunk section) at the current thread count."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
     torch.mm(a, b)
     start = time.perf_counter()
     torch.mm(a, b)
@@ -980,5 +981,133 @@ def serving_main(argv: Optional[Sequence[str]] = None) -> None:
     print(format_serving(rows))
 
 
+# ---------------------------------------------------------------------------------------------
+# chunkwise vs recurrent native kernels
+# Run: python -m torch_kda.benchmark chunk [--quick] [--threads 1 2] [--heads 4] [--seq-lens ...]
+
+CHUNK_SEQ_LENS = (256, 1024, 4096, 16384, 65536)
+CHUNK_QUICK_SEQ_LENS = (1024, 8192)
+
+
+def chunk_rows(seq_lens: Sequence[int] = CHUNK_SEQ_LENS, heads: Sequence[int] = (4,),
+               threads: Sequence[int] = (1, 2), dtypes: Sequence[str] = ("fp32", "bf16"),
+               modes: Sequence[str] = ("fwd", "fwd_bwd"), reps: int = 5,
+               batch: int = 1) -> List[dict]:
+    """The native chunkwise op (``torch.ops.kda.chunk``) vs the native recurrent op, side by side.
+
+    Per (dtype, H, T, threads, mode): both ops interleaved (:func:`_interleaved_medians`), the
+    softplus gate, q/k L2 norm and beta sigmoid in the op, K = V = 128, B = ``batch``. ``fwd`` is
+    the forward under ``torch.no_grad()``; ``fwd_bwd`` the forward plus the backward of a random
+    output gradient (the chunk op's backward is kda::chunk_bwd where registered, else the
+    recurrent backward; both read the same checkpoints). Rates count the recurrent form's FLOPs
+    (8*K*V per token and value head forward, 32*K*V forward+backward, docs/math.md) for both ops,
+    so the rates compare like tokens/s; they are given as % of this box's fp32 and bf16
+    ``torch.mm`` rates (2048 x 2048, sampled at each thread count).
+    """
+    rows: List[dict] = []
+    before = torch.get_num_threads()
+    try:
+        for n_threads in threads:
+            torch.set_num_threads(n_threads)
+            # bf16 torch.mm runs at ~1 GFLOP/s on CPUs without bf16 instructions (AVX2): one
+            # 1024^3 sample there; three 2048^3 samples where bf16 is fast.
+            gemm = {"fp32": statistics.median(gemm_gflops() for _ in range(3))}
+            bf16 = gemm_gflops(1024, torch.bfloat16)
+            gemm["bf16"] = bf16 if bf16 < 20 else statistics.median(
+                gemm_gflops(dtype=torch.bfloat16) for _ in range(3))
+            for dtype_name in dtypes:
+                for H in heads:
+                    for T in seq_lens:
+                        shape = Shape(batch, T, H, H)
+                        for mode in modes:
+                            rows.append(_chunk_row(shape, dtype_name, n_threads, mode, reps, gemm))
+    finally:
+        torch.set_num_threads(before)
+    return rows
+
+
+def _chunk_row(shape: Shape, dtype_name: str, n_threads: int, mode: str, reps: int,
+               gemm: Dict[str, float]) -> dict:
+    dtype = DTYPES[dtype_name]
+    t, f = make_inputs(shape, dtype, requires_grad=(mode == "fwd_bwd"))
+    do = torch.randn(shape.B, shape.T, shape.HV, shape.V,
+                     generator=torch.Generator().manual_seed(1)).to(dtype)
+    scale = shape.K ** -0.5
+
+    def call(op):
+        def run_once():
+            with torch.set_grad_enabled(mode == "fwd_bwd"):
+                o, _ = op(t["q"], t["k"], t["v"], t["g"], t["beta"], scale, None, True, True, True,
+                          False, None, False, None, t["A_log"], t["dt_bias"])
+                if mode == "fwd_bwd":
+                    o.backward(do)
+                    for x in t.values():
+                        x.grad = None
+        return run_once
+
+    med = _interleaved_medians({"recurrent": call(torch.ops.kda.fused_recurrent),
+                                "chunk": call(torch.ops.kda.chunk)}, reps=reps, warmup=1)
+    flops = shape.flops(mode)
+    row = dict(shape=shape.name, T=shape.T, H=shape.H, dtype=dtype_name, threads=n_threads,
+               mode=mode, gemm_fp32=gemm["fp32"], gemm_bf16=gemm["bf16"])
+    for name, (wall, cpu) in med.items():
+        row[name] = dict(seconds=wall, cpu_seconds=cpu, tokens_per_s=shape.B * shape.T / wall,
+                         gflops=flops / wall / 1e9)
+    row["speedup"] = med["recurrent"][0] / med["chunk"][0]
+    return row
+
+
+def format_chunk(rows: List[dict]) -> str:
+    """Markdown table of :func:`chunk_rows`."""
+    lines = ["| dtype | shape | threads | mode | recurrent tok/s | chunk tok/s | chunk / recurrent | "
+             "chunk % fp32 GEMM | chunk % bf16 GEMM | recurrent % fp32 GEMM |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c, rc = r["chunk"], r["recurrent"]
+        lines.append(f"| {r['dtype']} | {r['shape']} | {r['threads']} | {r['mode']} | "
+                     f"{_fmt_rate(rc['tokens_per_s'])} | {_fmt_rate(c['tokens_per_s'])} | "
+                     f"**{r['speedup']:.2f}x** | {100 * c['gflops'] / r['gemm_fp32']:.0f}% | "
+                     f"{100 * c['gflops'] / r['gemm_bf16']:.0f}% | "
+                     f"{100 * rc['gflops'] / r['gemm_fp32']:.0f}% |")
+    gem = sorted({(r["threads"], r["gemm_fp32"], r["gemm_bf16"]) for r in rows})
+    lines.append("")
+    lines.append("torch.mm 2048 x 2048 (GFLOP/s): " + "; ".join(
+        f"{t} thread(s): fp32 {a:,.0f}, bf16 {b:,.1f}" for t, a, b in gem))
+    return "\n".join(lines)
+
+
+def chunk_main(argv: Optional[Sequence[str]] = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m torch_kda.benchmark chunk",
+                                description="native chunkwise vs recurrent op, side by side")
+    p.add_argument("--quick", action="store_true",
+                   help="T in {1K, 8K}, 3 repetitions (default: T from 256 to 64K, 5 repetitions)")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None)
+    p.add_argument("--heads", type=int, nargs="+", default=[4])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    p.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON")
+    args = p.parse_args(argv)
+    seq_lens = args.seq_lens or (CHUNK_QUICK_SEQ_LENS if args.quick else CHUNK_SEQ_LENS)
+    reps = args.reps or (3 if args.quick else 5)
+    load = os.getloadavg()
+    info = machine_info()
+    rows = chunk_rows(seq_lens, args.heads, args.threads, args.dtypes, args.modes, reps, args.batch)
+    print(f"machine: {info['cpu']} ({info['logical_cpus']} logical CPUs); torch {info['torch']}; "
+          f"commit {info['commit']}; threads {args.threads}")
+    print(f"load average before the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+          f"after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(format_chunk(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(machine=info, rows=rows), fh, indent=1)
+
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "serving":
     serving_main(sys.argv[2:])
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "chunk":
+    chunk_main(sys.argv[2:])

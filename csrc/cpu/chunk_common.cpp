@@ -6,6 +6,11 @@
 #include <algorithm>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#define KDA_HAVE_MXCSR 1
+#endif
+
 namespace kda {
 namespace detail {
 namespace chunk {
@@ -34,6 +39,19 @@ void gemm(int64_t M, int64_t N, int64_t Kd, const double* A, int64_t lda, const 
       for (int64_t j = 0; j < N; ++j) c[j] += s * b[j];
     }
   }
+}
+
+FlushDenormals::FlushDenormals() {
+#if defined(KDA_HAVE_MXCSR)
+  saved_ = _mm_getcsr();
+  _mm_setcsr(saved_ | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
+#endif
+}
+
+FlushDenormals::~FlushDenormals() {
+#if defined(KDA_HAVE_MXCSR)
+  _mm_setcsr(saved_);
+#endif
 }
 
 void gemm_release() { at::native::cpublas::brgemm_release(/*is_vnni=*/false); }

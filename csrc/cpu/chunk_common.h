@@ -49,6 +49,24 @@ void gemm(int64_t M, int64_t N, int64_t Kd, const double* A, int64_t lda, const 
 // Frees the GEMM library's per-thread state; call at the end of each thread's work.
 void gemm_release();
 
+// Sets flush-to-zero and denormals-are-zero for the calling thread while alive (x86; no-op
+// elsewhere). Products of decays reach the subnormal range after strong decays, where each
+// operation can cost ~100 cycles on Intel CPUs (microcode assists; the likely cause of the
+// chunk forward running at 0.08x of the recurrent one on the Xeon of docs/benchmarks.md with
+// strongly decaying benchmark gates, where the AMD box ran it at 0.5x). A subnormal factor is a
+// full forget in float (< 1.2e-38), so flushing it to 0 changes results far below rounding.
+// Put one in each thread's work.
+class FlushDenormals {
+ public:
+  FlushDenormals();
+  ~FlushDenormals();
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  unsigned int saved_ = 0;
+};
+
 // One chunk of one (sequence, value head): n tokens (1 <= n <= kC), rows of the pre-processed
 // arrays (compute dtype T).
 template <typename T>

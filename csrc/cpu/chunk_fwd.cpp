@@ -39,6 +39,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
                      [&](const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
                          const std::vector<int64_t>& re, int64_t j) {
     at::parallel_for(0, d.N * HV, 1, [&](int64_t ub, int64_t ue) {
+      chunk::FlushDenormals ftz;
       const int64_t tid = std::min<int64_t>(at::get_thread_num(), threads - 1);
       chunk::ChunkWork<T> w(ws0 + tid * work, K, V);
       for (int64_t u = ub; u < ue; ++u) {

@@ -183,13 +183,20 @@ std::vector<at::Tensor> backward_finish(const BwdSetup& s, const KernelGrads& kg
   const auto opts = in.q.options().dtype(ct);
   const int64_t BT = d.B * d.T;
   const int64_t groups = kg.groups;
-  at::Tensor dqh = at::empty({BT, d.H, d.K}, opts);
-  at::Tensor dkh = at::empty({BT, d.H, d.K}, opts);
-  advise_huge_pages(dqh);
-  advise_huge_pages(dkh);
-  at::Tensor dg_in = at::empty({BT, d.HV, d.K}, opts);
-  at::Tensor dbeta = at::empty({BT, d.HV}, opts);
-  advise_huge_pages(dg_in);
+  // With one partial, the chain rule runs in place (chain_rule_tokens reads a token's partial
+  // rows before it writes the same rows): no fresh full-size arrays, no page faults for them.
+  // dq and dk also need one value head per key head (no grouped heads to sum).
+  const bool in_place = groups == 1;
+  const bool qk_in_place = in_place && d.HV == d.H;
+  at::Tensor dqh = qk_in_place ? kg.dq.view({BT, d.H, d.K}) : at::empty({BT, d.H, d.K}, opts);
+  at::Tensor dkh = qk_in_place ? kg.dk.view({BT, d.H, d.K}) : at::empty({BT, d.H, d.K}, opts);
+  if (!qk_in_place) {
+    advise_huge_pages(dqh);
+    advise_huge_pages(dkh);
+  }
+  at::Tensor dg_in = in_place ? kg.dg.view({BT, d.HV, d.K}) : at::empty({BT, d.HV, d.K}, opts);
+  at::Tensor dbeta = in_place ? kg.dbeta.view({BT, d.HV}) : at::empty({BT, d.HV}, opts);
+  if (!in_place) advise_huge_pages(dg_in);
   const bool gate = cfg.use_gate_in_kernel;
   const bool with_dA = gate && in.A_log.has_value();
   at::Tensor dA_rows = with_dA ? at::empty({BT, d.HV}, opts) : at::Tensor();

@@ -185,6 +185,23 @@ def test_intermediate_states_batch_rows(v_first, monkeypatch):
     assert torch.count_nonzero(h[1]) == 0 and torch.equal(h[0, 0], pool[4])
 
 
+def test_intermediate_states_without_a_pool_or_initial_state(monkeypatch):
+    """No initial state: the entries of sequences starting inside a chunk are zeros, the rest
+    the chunk kernel's; ``out=`` across several op calls."""
+    _no_recurrent_serving(monkeypatch)
+    p = _problem([3, 70, 1, 130], seed=17)
+    out = torch.full((1, 204, HV, V), float("nan"))
+    with torch.no_grad():
+        o, s, h = torch_kda.chunk_kda(*p.args, **p.kwargs, output_final_state=True, out=out,
+                                      return_intermediate_states=True, backend="native")
+        o_r, s_r, h_r = torch_kda.chunk_kda(*p.args, **p.kwargs, output_final_state=True,
+                                            return_intermediate_states=True, backend="reference")
+    assert o is out and h.shape == h_r.shape == (1, 1 + 2 + 1 + 3, HV, K, V)
+    assert rel_err(o, o_r) < TOL and rel_err(s, s_r) < TOL and rel_err(h, h_r) < TOL
+    assert torch.count_nonzero(h[0, [0, 1, 3, 4]]) == 0  # start states (zeros), non-zero after
+    assert torch.count_nonzero(h[0, 2]) > 0
+
+
 def test_intermediate_states_other_chunk_size_use_the_reference(monkeypatch):
     """chunk_size 32: entries every 32 tokens, from the chunkwise reference (not the native op)."""
     p = _problem([40, 70], seed=9)
@@ -252,7 +269,7 @@ def test_rejected_values_leave_the_pool_unchanged():
     g[0, 70, 1, 3] = 0.5  # a positive log-decay
     pool = _pool(3, False)
     before = pool.clone()
-    with torch.no_grad(), pytest.raises(ValueError, match="g"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"g must be a log-decay <= 0.*g\[0, 70, 1, 3\]"):
         torch_kda.chunk_kda(p.q, p.k, p.v, g, p.beta, **p.kwargs, initial_state=pool,
                             ssm_state_indices=torch.tensor([2, 0]), inplace_final_state=True,
                             backend="native")

@@ -266,3 +266,15 @@ def test_chunks_across_token_blocks(seqlens):
     p32 = p.to(torch.float32)
     oc, sc = chunk(p32)
     assert rel_err(oc, orr) <= 1e-5 and rel_err(sc, sr) <= 1e-5
+
+
+def test_auto_rule_follows_the_measured_table(monkeypatch):
+    import torch_kda
+    from torch_kda import _native
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    p = make_problem(B=1, T=300, H=1, HV=2, K=6, V=5, gate="softplus", seed=3).to(torch.float32)
+    for table, expect_chunk in (({}, False), ({cap: 256}, True), ({cap: 512}, False)):
+        monkeypatch.setattr(_native, "_CHUNK_FASTER_FROM", table)
+        o, _ = torch_kda.chunk_kda(*p.args, **p.kwargs, backend="auto")
+        assert torch.equal(o, (chunk if expect_chunk else recurrent)(p)[0])

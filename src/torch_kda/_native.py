@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -102,21 +102,28 @@ def chunk(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
 
 
 def prefer_chunk(x: KDAInputs) -> bool:
-    """``backend="auto"`` on CPU: whether the chunkwise kernel beats the recurrent one here.
+    """``backend="auto"`` on CPU: whether :func:`chunk_kda` runs the chunkwise kernel
+    (``torch.ops.kda.chunk``) rather than the recurrent one.
 
-    The one place of the rule; derived from the crossovers measured side by side in
-    docs/benchmarks.md ("Chunkwise vs recurrent forward"), where the numbers and the command are.
-    Decoding (one token per sequence) always runs the recurrent kernel.
+    The one place of the rule. It follows the crossovers measured side by side in
+    docs/benchmarks.md ("CPU: chunkwise vs recurrent native kernels", ``python -m torch_kda.benchmark chunk``): the
+    chunk kernel is chosen where this CPU's kind (ATen's CPU capability) was measured faster for
+    sequences of at least the listed length, for fp32 and bf16 inputs and any thread count.
+    So far no CPU kind is listed: on the AVX2 box the chunk forward ran at 0.4-0.95x of the
+    recurrent one (T = 256 to 16K, H = 4, fp32 and bf16, 1-2 threads; forward + backward 0.6-0.9x),
+    and the AVX-512/AMX Xeon was measured only before subnormals were flushed (0.08x), so the
+    recurrent kernel stays the default until a run shows otherwise. Decoding (one token per
+    sequence) always runs the recurrent kernel.
     """
-    tokens_per_seq = x.B * x.T / max(1, x.N)
-    if tokens_per_seq < _CHUNK_MIN_TOKENS:
+    if x.T <= 1:
         return False
-    return _CHUNK_WINS
+    min_tokens = _CHUNK_FASTER_FROM.get(torch.backends.cpu.get_cpu_capability())
+    return min_tokens is not None and x.B * x.T >= max(1, x.N) * min_tokens
 
 
-# Filled from the measurements in docs/benchmarks.md (see prefer_chunk).
-_CHUNK_MIN_TOKENS = 256
-_CHUNK_WINS = False
+# CPU capability (torch.backends.cpu.get_cpu_capability()) -> the shortest mean sequence length
+# (tokens) from which the chunk kernel was measured faster; see prefer_chunk.
+_CHUNK_FASTER_FROM: Dict[str, int] = {}
 
 
 def _any_requires_grad(x: KDAInputs) -> Optional[str]:

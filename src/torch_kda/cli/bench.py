@@ -9,6 +9,9 @@ speed-up over each baseline; a summary of native's ratios where the target shape
 and writes the PNG of tokens/s by T per backend, the markdown report and the JSON results into
 ``--out``.
 
+``--chunk``: the native chunkwise op vs the native recurrent op instead (docs/benchmarks.md,
+"CPU: chunkwise vs recurrent native kernels").
+
 Default: the standard shapes (B = 1, T in {1K, 4K, 16K}, H = HV in {4, 16}, K = V = 128, fp32 and
 bf16, decoding shapes, peak memory at the target shape; tens of minutes on 2 cores). ``--quick``:
 T = 1K and the target shape T = 4K, H = 4, fp32, baselines at T = 1K only, no memory (about a
@@ -18,6 +21,7 @@ minute on 2 cores).
 from __future__ import annotations
 
 import argparse
+import json
 
 from .. import benchmark
 from ..api import available_backends
@@ -44,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", metavar="DIR", default=None,
                    help="instead: torch-kda vs llama.cpp's ggml and ExecuTorch, built into DIR by "
                         "benchmarks/peers/setup.sh (prefill B1 T4K H4/H16, decode B1/B8/B64 H32; peers.md, peers.json)")
+    p.add_argument("--chunk", action="store_true",
+                   help="instead: the native chunkwise op vs the native recurrent op, forward and "
+                        "forward+backward, fp32 and bf16, T from 256 to 64K (--quick: 1K, 8K), "
+                        "%% of the fp32 and bf16 GEMM rates (chunk.md, chunk.json; docs/benchmarks.md)")
     p.add_argument("--decode-batches", type=positive_int, nargs="+", default=None, metavar="B",
                    help="with --peers: decoding batch sizes (H = 32; default 1 8 64)")
     p.add_argument("--out", metavar="DIR", default="out",
@@ -53,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _command(args: argparse.Namespace) -> str:
     """The command line that asked for this run, for the report's header."""
     words = ["python -m torch_kda bench"]
-    for name in ("peers", "decode_batches", "quick", "seq_lens", "heads", "head_dim", "no_decode", "backends", "threads", "reps"):
+    for name in ("peers", "chunk", "decode_batches", "quick", "seq_lens", "heads", "head_dim", "no_decode", "backends", "threads", "reps"):
         value = getattr(args, name)
         if value is None or value is False:
             continue
@@ -89,6 +97,19 @@ def run(args: argparse.Namespace) -> int:
                               out_json=str(out / "peers.json"))
         except FileNotFoundError as exc:
             raise UsageError(f"--peers: {exc}") from exc
+        return 0
+    if args.chunk:
+        if not status["native"].available:
+            raise UsageError(f"--chunk: the native backend is unavailable here: {status['native'].reason}")
+        out = output_dir(args.out)
+        seq_lens = args.seq_lens or (benchmark.CHUNK_QUICK_SEQ_LENS if args.quick
+                                     else benchmark.CHUNK_SEQ_LENS)
+        rows = benchmark.chunk_rows(seq_lens, args.heads or [4], args.threads or benchmark.default_threads(),
+                                    reps=args.reps or (3 if args.quick else 5))
+        text = f"{_command(args)}\n\n{benchmark.format_chunk(rows)}\n"
+        print(text)
+        (out / "chunk.md").write_text(text)
+        (out / "chunk.json").write_text(json.dumps(dict(machine=benchmark.machine_info(), rows=rows), indent=1))
         return 0
     backends = args.backends or [b for b in benchmark.BACKENDS if b != "native" or status["native"].available]
     if "native" in backends and not status["native"].available:

@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -206,6 +207,13 @@ inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_
       }
     }
     for (int64_t i = j + 1; i < b1; ++i) {
+      // Strong decays: once the running product is 0 on every channel (flushed to zero), the
+      // pairs (i' >= i, j) contribute exactly nothing.
+      if (i > j + 1) {
+        T any = T(0);
+        for (int64_t d = 0; d < K; ++d) any = std::max(any, std::abs(p[d]));
+        if (any == T(0)) break;
+      }
       const T ta = bw.dam[2 * i * kC + j], tm = bw.dam[(2 * i + 1) * kC + j];
       const T* __restrict ai = c.a + i * K;
       const T* __restrict ki = c.k + i * K;
@@ -412,25 +420,36 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
     } else {
       direct_diagonal_block<T, true>(c, b0, b1, bw);
     }
+    // Columns before the block, from r = b0 - 1 down; Cf_j only shrinks as j decreases, so once
+    // it is 0 on every channel (strong decays, flushed to zero) the columns j < j0 contribute
+    // exactly nothing and the products below skip them.
     for (int64_t d = 0; d < K; ++d) p[d] = T(1);
+    int64_t j0 = 0;
     for (int64_t j = b0 - 1; j >= 0; --j) {
       const T* __restrict aj = c.a + j * K;
       const T* __restrict kj = c.k + j * K;
       T* __restrict cf = bw.cf + j * K;
       T* __restrict kr = bw.kr + j * K;
+      T any = T(0);
       for (int64_t d = 0; d < K; ++d) {
         cf[d] = p[d];
         kr[d] = kj[d] * p[d];
+        any = std::max(any, std::abs(p[d]));
         p[d] *= aj[d];
+      }
+      if (any == T(0)) {
+        j0 = j + 1;
+        break;
       }
     }
     const int64_t cols = factored ? b1 : b0;
-    if (cols == 0) continue;
+    if (cols == j0) continue;
     // [dRow_k; dRow_q] (rows interleaved) = [dA0; dM][I, :cols] Col, the columns before the block
     // (dlq) and the block's own (dlq2) apart; dCol = [dA0; dM][I, :cols]^T [Row_k; Row_q]
     // (dA0 and dM are zero above their diagonal).
-    if (b0 > 0) {
-      chunk::gemm(2 * rows, K, b0, bw.dam + 2 * b0 * kC, kC, bw.kr, K, bw.dlq, K, /*add=*/false);
+    if (b0 > j0) {
+      chunk::gemm(2 * rows, K, b0 - j0, bw.dam + 2 * b0 * kC + j0, kC, bw.kr + j0 * K, K, bw.dlq,
+                  K, /*add=*/false);
     } else {
       std::fill(bw.dlq, bw.dlq + 2 * rows * K, T(0));
     }
@@ -438,8 +457,10 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
       chunk::gemm(2 * rows, K, rows, bw.dam + 2 * b0 * kC + b0, kC, bw.kr + b0 * K, K, bw.dlq2,
                   K, /*add=*/false);
     }
-    transpose(2 * rows, cols, bw.dam + 2 * b0 * kC, kC, bw.damT, 2 * kSub);
-    chunk::gemm(cols, K, 2 * rows, bw.damT, 2 * kSub, bw.lq, K, bw.dkr, K, /*add=*/false);
+    transpose(2 * rows, cols - j0, bw.dam + 2 * b0 * kC + j0, kC, bw.damT + j0 * 2 * kSub,
+              2 * kSub);
+    chunk::gemm(cols - j0, K, 2 * rows, bw.damT + j0 * 2 * kSub, 2 * kSub, bw.lq, K,
+                bw.dkr + j0 * K, K, /*add=*/false);
     // dg_t collects the pairs (i in I, j < b0) with j < t <= i, formed directly (a reverse sum of
     // dG would form them as differences of larger sums): for t in [1, b0] the column sums
     // C_j = dCol_j . Col_j over j < t, for t in (b0, b1) the row sums R_i = dRow_i . Row_i over
@@ -474,7 +495,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
       }
     }
     for (int64_t d = 0; d < K; ++d) bw.acc[d] = 0.0;
-    for (int64_t j = 0; j < b0; ++j) {
+    for (int64_t j = j0; j < b0; ++j) {
       const T* __restrict cf = bw.cf + j * K;
       const T* __restrict kr = bw.kr + j * K;
       const T* __restrict dkr = bw.dkr + j * K;

@@ -94,6 +94,8 @@ struct BwdWork {
   T* dk;     // [kC, K]
   T* run;    // [K]
   T* run2;   // [K]
+  T* ybuf;   // [kSub, K]  pair terms of one column of a diagonal block
+  T* dgd;    // [kSub, K]  the diagonal block's dg
   // The gradient w.r.t. g, in double (see "G = cumsum(g)" in chunk_backward): dG w.r.t. the
   // cumulative log decay G (summed in reverse into dg), dgx added to dg directly, acc [K].
   double *dG, *dgx, *acc;
@@ -102,7 +104,7 @@ struct BwdWork {
     const int64_t ld = K + V;
     return 5 * up(K * V) + 3 * up(kC * ld) + 2 * up(kC * V) + up(2 * kC * V) +
            up(2 * kC * K) + 2 * up(kC * kC) + 3 * up(kC * K) + up(K * 2 * kC) + up(2 * kC * kC) +
-           up(kC * 2 * kSub) + 3 * up(2 * kSub * K) + up(kSub * K) + 3 * up(kC * K) +
+           up(kC * 2 * kSub) + 3 * up(2 * kSub * K) + 3 * up(kSub * K) + 3 * up(kC * K) +
            2 * up(kC * K) + 2 * up(K) + 2 * up(2 * kC * K) + up(4 * K);
   }
   BwdWork(T* base, int64_t K, int64_t V) {
@@ -144,6 +146,8 @@ struct BwdWork {
     dk = take(kC * K);
     run = take(K);
     run2 = take(K);
+    ybuf = take(kSub * K);
+    dgd = take(kSub * K);
     // (2 n elements of T hold n doubles for T = float and T = double)
     dG = reinterpret_cast<double*>(take(2 * kC * K));
     dgx = reinterpret_cast<double*>(take(2 * kC * K));
@@ -181,20 +185,22 @@ template <>
 constexpr double kMinBlockDecay<double> = 2.6503965530043108e-261;  // e^-600
 
 // The pairs j <= i of the diagonal block [b0, b1) in the direct form: exp(G_i - G_j) is the
-// running product a_{j+1}..a_i. Adds to dG (float64) and, with kWithQK, to dq and dk. dG gets
-// the same rounded value at both ends of a pair, so the pairs that do not involve g_t cancel
-// exactly in the reverse sum of dG (the factored products would leave rounding residues there,
-// and make dg_t of a later token depend on nothing but rounding).
+// running product a_{j+1}..a_i. Adds to dq and dk (with kWithQK) and to dgx: pair (i, j) reaches
+// dg_t for j < t <= i, so for each column j the suffix sums over i of its pair terms y_ij give
+// dg_t directly: only terms that involve g_t are summed (no cancellation; reversing dG instead
+// would form dg_t as a difference of larger sums, and give a token after the loss's last one a
+// gradient of pure rounding instead of exactly 0).
 template <typename T, bool kWithQK>
 inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_t b1,
                                   BwdWork<T>& bw) {
   const int64_t K = c.K;
   T* __restrict p = bw.run2;
+  T* __restrict dgd = bw.dgd;  // [kSub, K]: the block's dg_t, t = b0 + row
+  std::fill(dgd, dgd + (b1 - b0) * K, T(0));
   for (int64_t j = b0; j < b1; ++j) {
     const T* __restrict kj = c.k + j * K;
     const T* __restrict qj = c.q + j * K;
     T* __restrict dkj = bw.dk + j * K;
-    double* __restrict dGj = bw.dG + j * K;
     {
       const T tm = bw.dam[(2 * j + 1) * kC + j];
       T* __restrict dqj = bw.dq + j * K;
@@ -206,13 +212,17 @@ inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_
         p[d] = T(1);
       }
     }
+    int64_t last = b1;  // pairs (i >= last, j) are exactly 0
     for (int64_t i = j + 1; i < b1; ++i) {
       // Strong decays: once the running product is 0 on every channel (flushed to zero), the
       // pairs (i' >= i, j) contribute exactly nothing.
       if (i > j + 1) {
         T any = T(0);
         for (int64_t d = 0; d < K; ++d) any = std::max(any, std::abs(p[d]));
-        if (any == T(0)) break;
+        if (any == T(0)) {
+          last = i;
+          break;
+        }
       }
       const T ta = bw.dam[2 * i * kC + j], tm = bw.dam[(2 * i + 1) * kC + j];
       const T* __restrict ai = c.a + i * K;
@@ -220,7 +230,7 @@ inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_
       const T* __restrict qi = c.q + i * K;
       T* __restrict dki = bw.dk + i * K;
       T* __restrict dqi = bw.dq + i * K;
-      double* __restrict dGi = bw.dG + i * K;
+      T* __restrict y = bw.ybuf + (i - b0) * K;
       for (int64_t d = 0; d < K; ++d) {
         p[d] *= ai[d];
         const T x = (ta * ki[d] + tm * qi[d]) * p[d];
@@ -230,11 +240,25 @@ inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_
           dqi[d] += tm * kje;
           dkj[d] += x;
         }
-        const double y = static_cast<double>(x * kj[d]);
-        dGi[d] += y;
-        dGj[d] -= y;
+        y[d] = x * kj[d];
       }
     }
+    // dg_t += sum_{t <= i < last} y_ij for t in (j, last)
+    T* __restrict sum = p;
+    for (int64_t d = 0; d < K; ++d) sum[d] = T(0);
+    for (int64_t i = last - 1; i > j; --i) {
+      const T* __restrict y = bw.ybuf + (i - b0) * K;
+      T* __restrict dg = dgd + (i - b0) * K;
+      for (int64_t d = 0; d < K; ++d) {
+        sum[d] += y[d];
+        dg[d] += sum[d];
+      }
+    }
+  }
+  for (int64_t t = b0 + 1; t < b1; ++t) {
+    const T* __restrict dg = dgd + (t - b0) * K;
+    double* __restrict dgx = bw.dgx + t * K;
+    for (int64_t d = 0; d < K; ++d) dgx[d] += static_cast<double>(dg[d]);
   }
 }
 
@@ -416,7 +440,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
           kr[d] = kj[d] * cf[d];
         }
       }
-      direct_diagonal_block<T, false>(c, b0, b1, bw);  // dG only
+      direct_diagonal_block<T, false>(c, b0, b1, bw);  // their dg only
     } else {
       direct_diagonal_block<T, true>(c, b0, b1, bw);
     }
@@ -464,7 +488,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
     // dg_t collects the pairs (i in I, j < b0) with j < t <= i, formed directly (a reverse sum of
     // dG would form them as differences of larger sums): for t in [1, b0] the column sums
     // C_j = dCol_j . Col_j over j < t, for t in (b0, b1) the row sums R_i = dRow_i . Row_i over
-    // i >= t. (The block's own pairs went to dG above.)
+    // i >= t. (The block's own pairs went to dgx above.)
     for (int64_t d = 0; d < K; ++d) bw.acc[d] = 0.0;
     for (int64_t i = b1 - 1; i >= b0; --i) {
       const T* __restrict rf = bw.rf + (i - b0) * K;

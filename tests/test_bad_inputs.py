@@ -176,7 +176,8 @@ def test_native_op_rejects(row, change, match):
     ("checkpoints_shape", "checkpoints must have shape"),
     ("checkpoints_dtype", "checkpoints must be a floating tensor"),
 ])
-def test_native_backward_op_rejects(which, match):  # row "bwd-op"
+@pytest.mark.parametrize("op", ["fused_recurrent_bwd", "chunk_bwd"])  # one check, both backwards
+def test_native_backward_op_rejects(which, match, op):  # row "bwd-op"
     p = _op_problem()
     args = _op_args(p)
     o, s, ck = torch.ops.kda.fused_recurrent_fwd(*args)
@@ -190,4 +191,4 @@ def test_native_backward_op_rejects(which, match):  # row "bwd-op"
         "checkpoints_dtype": (d_o, d_s, ck.int()),
     }[which]
     with pytest.raises(TypeError if "floating" in match else ValueError, match=match):
-        torch.ops.kda.fused_recurrent_bwd(d_o, d_s, ck, *args)
+        getattr(torch.ops.kda, op)(d_o, d_s, ck, *args)

@@ -4,7 +4,8 @@ chunk_bwd takes the checkpoints of the forward (fused_recurrent_fwd's, shared by
 forward) and returns the gradients of fused_recurrent_bwd. Checked here: the derivation itself
 (tests/chunk_backward_math.py against autograd), every feature combination against the float64
 reference's autograd and the recurrent backward, gradcheck in float64, causality, strong and
-saturated decays, bitwise determinism across thread counts, bf16 accuracy and opcheck.
+saturated decays, bitwise determinism across thread counts, bf16 accuracy and opcheck, and the
+chunk forward's checkpoints feeding the chunk backward.
 Shapes are small (K, V not powers of two; T past one 64-token chunk so chunks chain).
 """
 
@@ -193,40 +194,41 @@ def test_strong_decays_float32_gradients(kind):
 
 # ---- structure: gradcheck, causality, determinism, opcheck ----------------------------------
 
-class _ChunkGrad(torch.autograd.Function):
-    """fused_recurrent_fwd forward, chunk_bwd backward (for gradcheck of the chunk backward)."""
-
-    @staticmethod
-    def forward(ctx, names, rest, *xs):
-        d = dict(zip(names, xs))
-        kw = dict(rest)
-        kw.update({n: d[n] for n in ("initial_state", "A_log", "dt_bias") if n in d})
-        args = (d["q"], d["k"], d["v"], d["g"], d["beta"], *(kw.get(n, DEFAULTS.get(n))
-                                                               for n in OP_ARGS))
-        o, s, ck = torch.ops.kda.fused_recurrent_fwd(*args)
-        ctx.args, ctx.names, ctx.ck = args, names, ck
-        return o, s
-
-    @staticmethod
-    def backward(ctx, do, ds):
-        r = dict(zip(GRAD_NAMES, torch.ops.kda.chunk_bwd(do, ds, ctx.ck, *ctx.args)))
-        return (None, None, *(r[n] for n in ctx.names))
-
-
 @pytest.mark.parametrize("gate,varlen,group", [("softplus", False, 2), ("bounded", True, 1),
                                                ("bounded_no_alog", False, 1), ("none", True, 2)])
-def test_gradcheck_chunk_backward(gate, varlen, group):
+def test_gradcheck_chunk_op(gate, varlen, group):
+    # torch.ops.kda.chunk: chunk forward, kda::chunk_bwd backward (its Autograd kernel)
     p = make_problem(B=2, T=67, H=1, HV=group, K=3, V=4, gate=gate, seed=11,
                      neg_eigval=gate == "bounded", seqlens=(3, 0, 66, 65) if varlen else None)
     p = p.to(torch.float64, requires_grad=True)
     ts = p.tensors()
-    names = tuple(ts)
-    rest = {k: v for k, v in p.kwargs.items() if k not in ts and k != "output_final_state"}
-    rest["scale"] = p.q.shape[-1] ** -0.5
-    fn = lambda *xs: _ChunkGrad.apply(names, rest, *xs)
+    names = list(ts)
+
+    def fn(*xs):
+        d = dict(zip(names, xs))
+        kw = {k: v for k, v in p.kwargs.items() if k != "output_final_state"}
+        kw.update({n: d[n] for n in ("initial_state", "A_log", "dt_bias") if n in d})
+        q = type(p)(d["q"], d["k"], d["v"], d["g"], d["beta"], kw)
+        return torch.ops.kda.chunk(*op_args(q))
+
     # fast_mode: a random projection of the Jacobian (the full one takes minutes at T > 64)
     assert torch.autograd.gradcheck(fn, [ts[n] for n in names], eps=1e-6, atol=1e-8, rtol=1e-6,
                                     fast_mode=True)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_chunk_forward_checkpoints_feed_chunk_bwd(varlen):
+    # The chunk forward's checkpoints serve the chunk backward as the recurrent ones do.
+    p = make_problem(B=2, T=150, H=2, HV=4, K=7, V=11, gate="bounded", seed=21,
+                     seqlens=(70, 0, 1, 129, 100) if varlen else None).to(torch.float32)
+    do, ds = cotangents(p)
+    g_ref = reference_grads(p, do, ds)
+    args = op_args(p)
+    _, _, ck = torch.ops.kda.chunk_fwd(*args)
+    r = dict(zip(GRAD_NAMES, torch.ops.kda.chunk_bwd(do.float(), ds.float(), ck, *args)))
+    g_rec = native_grads(p, do, ds, bwd="fused_recurrent_bwd")
+    for name, gr in g_ref.items():
+        assert rel_err(r[name], gr) <= max(1e-5, 2 * rel_err(g_rec[name], gr)), name
 
 
 def test_causality_of_gradients():

@@ -118,7 +118,7 @@ inline void transpose(const T* __restrict src, int64_t rows, int64_t cols, int64
 template <typename T>
 int64_t ChunkWork<T>::elems(int64_t K, int64_t V) {
   return up(kC * K) * 2 + up(K * kC) * 2 + up(kC * 2 * kC) + up(kC * kC) +
-         2 * up(kC * (K + V)) + up(kC * kSub) + up(kC * V) + up(2 * kSub * K) + up(kC * K) +
+         up(kC * (K + V)) + up(kSub * (K + V)) + up(kC * kSub) + up(kC * V) + up(2 * kSub * K) + up(kC * K) +
          up(K);
 }
 
@@ -137,7 +137,7 @@ ChunkWork<T>::ChunkWork(T* base, int64_t K, int64_t V) {
   am = take(kC * 2 * kC);
   na = take(kC * kC);
   x = take(kC * (K + V));
-  rhs = take(kC * (K + V));
+  rhs = take(kSub * (K + V));
   dinv = take(kC * kSub);
   o = take(kC * V);
   lq = take(2 * kSub * K);
@@ -287,25 +287,23 @@ KDA_CLONES void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
 template <typename T>
 KDA_CLONES void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
-  // Right-hand sides R = [-beta_i Gam_i . k_i | beta_i v_i].
-  for (int64_t i = 0; i < n; ++i) {
-    const T b = c.beta[i];
-    const T* __restrict g = w.gam + i * K;
-    const T* __restrict k = c.k + i * K;
-    const T* __restrict v = c.v + i * c.ldv;
-    T* __restrict r = w.rhs + i * ld;
-    for (int64_t d = 0; d < K; ++d) r[d] = -b * (g[d] * k[d]);
-    for (int64_t e = 0; e < V; ++e) r[K + e] = b * v[e];
-  }
-  // (I + A) X = R, row block by row block:
+  // (I + A) X = R with R = [-beta_i Gam_i . k_i | beta_i v_i], row block by row block:
   //   X_I = (I + A_II)^-1 (R_I - A[I, :b0] X[:b0])
   // the first product with na (= -A), the second with the block's inverse dinv (16 x 16, by
-  // forward substitution on the identity), both GEMMs.
+  // forward substitution on the identity), both GEMMs; R_I is built in rhs block by block.
   const int64_t nb = (n + kSub - 1) / kSub;
   for (int64_t I = 0; I < nb; ++I) {
     const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub), rows = b1 - b0;
-    T* r = w.rhs + b0 * ld;
-    if (b0 > 0) gemm(rows, ld, b0, w.na + b0 * kC, kC, w.x, ld, r, ld, /*add=*/true);
+    for (int64_t i = b0; i < b1; ++i) {
+      const T b = c.beta[i];
+      const T* __restrict g = w.gam + i * K;
+      const T* __restrict k = c.k + i * K;
+      const T* __restrict v = c.v + i * c.ldv;
+      T* __restrict r = w.rhs + (i - b0) * ld;
+      for (int64_t d = 0; d < K; ++d) r[d] = -b * (g[d] * k[d]);
+      for (int64_t e = 0; e < V; ++e) r[K + e] = b * v[e];
+    }
+    if (b0 > 0) gemm(rows, ld, b0, w.na + b0 * kC, kC, w.x, ld, w.rhs, ld, /*add=*/true);
     T* di = w.dinv + I * kSub * kSub;
     for (int64_t i = 0; i < rows; ++i) {
       T* __restrict row = di + i * kSub;
@@ -317,7 +315,7 @@ KDA_CLONES void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w) {
         for (int64_t e = 0; e <= j; ++e) row[e] += s * rj[e];
       }
     }
-    gemm(rows, ld, rows, di, kSub, r, ld, w.x + b0 * ld, ld, /*add=*/false);
+    gemm(rows, ld, rows, di, kSub, w.rhs, ld, w.x + b0 * ld, ld, /*add=*/false);
   }
 }
 

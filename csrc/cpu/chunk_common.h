@@ -3,7 +3,8 @@
 // Math: docs/math.md, "Chunkwise form" (the native chunk kernel).
 //
 // One chunk of n <= kChunk tokens of one (sequence, value head) is processed at a time, on rows
-// of the pre-processed arrays of detail::preprocess (scale * qhat, khat, a = exp(g), beta, v) and
+// of the pre-processed arrays (scale * qhat, khat, a = exp(g), beta, v: the token block of
+// run_fwd_blocked in the forward, detail::preprocess in the backward) and
 // a per-thread workspace (ChunkWork). Matrix products go through one GEMM wrapper (chunk::gemm:
 // ATen's cpublas::brgemm for float, a plain loop for double); the rest is short loops over the
 // K or V channels.
@@ -80,7 +81,7 @@ struct ChunkIn {
   int64_t ldv = 0;
 };
 
-// Workspace of one chunk (one per thread, reused by every chunk; ~220 KB at K = V = 128 in
+// Workspace of one chunk (one per thread, reused by every chunk; ~360 KB at K = V = 128 in
 // float). Layouts (row-major; rows past n are not read):
 //   gam   [kC, K]        Gam_i = prod_{t<=i} a_t                        (Gam_last = row n-1)
 //   qg    [kC, K]        q_i . Gam_i
@@ -90,7 +91,8 @@ struct ChunkIn {
 //                        columns j < ceil(n / kSub) * kSub
 //   na    [kC, kC]       -beta_i A0_ij (j < i): minus A of docs/math.md
 //   x     [kC, K + V]    after solve: [-W | U]; after state_step: [-W | Vn]
-//   rhs   [kC, K + V]    [-diag(beta) (Gam . K) | diag(beta) V], then (solve) R_I - A[I, :b0] X
+//   rhs   [kSub, K + V]  (solve) one row block of [-diag(beta) (Gam . K) | diag(beta) V], then
+//                        R_I - A[I, :b0] X[:b0]
 //   dinv  [kC / kSub, kSub, kSub]  (I + A_II)^-1 of each diagonal block II
 //   o     [kC, V]        the chunk's output rows
 //   lq    [2 kSub, K]    row / column factors of one off-diagonal block (scratch)

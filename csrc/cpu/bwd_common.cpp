@@ -10,6 +10,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include <vector>
@@ -31,24 +32,6 @@ namespace {
 // op), dbeta [BT, HV] and the per-token rows of dA_log [BT, HV]; their sums over tokens run
 // afterwards in token order. Every value is computed by one thread in a fixed order: the result
 // does not depend on the thread count.
-template <typename T>
-struct ChainArgs {
-  int64_t BT = 0, H = 0, HV = 0, K = 0, groups = 1;
-  const T *dq_p = nullptr, *dk_p = nullptr, *dg_p = nullptr, *db_p = nullptr;  // [P, BT, HV, *]
-  const T* q = nullptr;       // [BT, H, K] raw q (compute dtype)
-  const T* q_rnorm = nullptr; // [BT, H] or null (no l2 norm)
-  const T* k_hm = nullptr;    // [H, BT, K] khat
-  const T* k_rnorm = nullptr; // [BT, H] or null
-  const T* g = nullptr;       // [BT, HV, K] log decay (softplus gate) or raw gate input (bounded)
-  const T* gate_s = nullptr;  // [BT, HV, K] sigmoid of the gate, or null (no gate in the op)
-  const T* expA = nullptr;    // [HV] exp(A_log) or null
-  const T* bias = nullptr;    // [HV * K] dt_bias or null
-  const T* beta = nullptr;    // [HV, BT] write strength (after the sigmoid)
-  bool softplus = false, beta_sigmoid = false;
-  T scale = 1, lower_bound = 0, beta_c = 1;
-  T *dq = nullptr, *dk = nullptr, *dg = nullptr, *dbeta = nullptr, *dA_rows = nullptr;
-};
-
 template <typename T>
 void chain_rule_tokens(const ChainArgs<T>& C, int64_t t0, int64_t t1) {
   const int64_t H = C.H, HV = C.HV, K = C.K, BT = C.BT, P = C.groups, G = HV / H;
@@ -161,12 +144,13 @@ at::Tensor column_sums(const at::Tensor& x2d) {
 }  // namespace
 
 BwdSetup backward_setup(const at::Tensor& d_o, const std::optional<at::Tensor>& d_final_state,
-                        const at::Tensor& checkpoints, const Inputs& in, const Config& cfg) {
+                        const at::Tensor& checkpoints, const Inputs& in, const Config& cfg,
+                        bool with_prepared) {
   BwdSetup s;
   s.d = check_inputs(in, cfg, /*check_values=*/true);
   const auto ct = compute_dtype(in.q);
   const int64_t BT = s.d.B * s.d.T;
-  s.p = preprocess(in, cfg, s.d, /*for_backward=*/true);
+  if (with_prepared) s.p = preprocess(in, cfg, s.d, /*for_backward=*/true);
   s.seqs = make_sequences(in, s.d);
   s.h0 = state_kv(in.initial_state, cfg, ct);
   s.dht = state_kv(d_final_state, cfg, ct);
@@ -180,26 +164,28 @@ std::vector<at::Tensor> backward_finish(const BwdSetup& s, const KernelGrads& kg
   const Dims& d = s.d;
   const Prepared& p = s.p;
   const auto ct = compute_dtype(in.q);
-  const auto opts = in.q.options().dtype(ct);
   const int64_t BT = d.B * d.T;
   const int64_t groups = kg.groups;
+  const auto opts = in.q.options().dtype(ct);
   // With one partial, the chain rule runs in place (chain_rule_tokens reads a token's partial
   // rows before it writes the same rows): no fresh full-size arrays, no page faults for them.
   // dq and dk also need one value head per key head (no grouped heads to sum).
   const bool in_place = groups == 1;
   const bool qk_in_place = in_place && d.HV == d.H;
-  at::Tensor dqh = qk_in_place ? kg.dq.view({BT, d.H, d.K}) : at::empty({BT, d.H, d.K}, opts);
-  at::Tensor dkh = qk_in_place ? kg.dk.view({BT, d.H, d.K}) : at::empty({BT, d.H, d.K}, opts);
+  InputGrads o;
+  o.dq = qk_in_place ? kg.dq.view({BT, d.H, d.K}) : at::empty({BT, d.H, d.K}, opts);
+  o.dk = qk_in_place ? kg.dk.view({BT, d.H, d.K}) : at::empty({BT, d.H, d.K}, opts);
   if (!qk_in_place) {
-    advise_huge_pages(dqh);
-    advise_huge_pages(dkh);
+    advise_huge_pages(o.dq);
+    advise_huge_pages(o.dk);
   }
-  at::Tensor dg_in = in_place ? kg.dg.view({BT, d.HV, d.K}) : at::empty({BT, d.HV, d.K}, opts);
-  at::Tensor dbeta = in_place ? kg.dbeta.view({BT, d.HV}) : at::empty({BT, d.HV}, opts);
-  if (!in_place) advise_huge_pages(dg_in);
+  o.dg = in_place ? kg.dg.view({BT, d.HV, d.K}) : at::empty({BT, d.HV, d.K}, opts);
+  o.dbeta = in_place ? kg.dbeta.view({BT, d.HV}) : at::empty({BT, d.HV}, opts);
+  if (!in_place) advise_huge_pages(o.dg);
+  if (cfg.use_gate_in_kernel && in.A_log) o.dA_rows = at::empty({BT, d.HV}, opts);
+  o.dv = kg.dv;
+  o.dh0 = kg.dh0;
   const bool gate = cfg.use_gate_in_kernel;
-  const bool with_dA = gate && in.A_log.has_value();
-  at::Tensor dA_rows = with_dA ? at::empty({BT, d.HV}, opts) : at::Tensor();
   at::Tensor expA, bias;
   if (gate && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
   if (gate && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
@@ -229,32 +215,92 @@ std::vector<at::Tensor> backward_finish(const BwdSetup& s, const KernelGrads& kg
     C.scale = static_cast<T>(cfg.scale);
     C.lower_bound = static_cast<T>(cfg.lower_bound.value_or(0.0));
     C.beta_c = cfg.allow_neg_eigval ? T(2) : T(1);
-    C.dq = dqh.data_ptr<T>();
-    C.dk = dkh.data_ptr<T>();
-    C.dg = dg_in.data_ptr<T>();
-    C.dbeta = dbeta.data_ptr<T>();
-    C.dA_rows = with_dA ? dA_rows.data_ptr<T>() : nullptr;
+    C.dq = o.dq.data_ptr<T>();
+    C.dk = o.dk.data_ptr<T>();
+    C.dg = o.dg.data_ptr<T>();
+    C.dbeta = o.dbeta.data_ptr<T>();
+    C.dA_rows = o.dA_rows.defined() ? o.dA_rows.data_ptr<T>() : nullptr;
     at::parallel_for(0, BT, 16, [&](int64_t b, int64_t e) { chain_rule_tokens<T>(C, b, e); });
   };
-  at::Tensor dA, dbias;
   if (ct == at::kDouble) {
     chain(0.0);
-    if (with_dA) dA = column_sums<double>(dA_rows);
-    if (gate && in.dt_bias) dbias = column_sums<double>(dg_in.reshape({BT, d.HV * d.K}));
   } else {
     chain(0.0f);
-    if (with_dA) dA = column_sums<float>(dA_rows);
-    if (gate && in.dt_bias) dbias = column_sums<float>(dg_in.reshape({BT, d.HV * d.K}));
+  }
+  return backward_outputs(o, d, in, cfg);
+}
+
+InputGrads empty_input_grads(const Dims& d, const Inputs& in, const Config& cfg) {
+  const auto opts = in.q.options().dtype(compute_dtype(in.q));
+  const int64_t BT = d.B * d.T;
+  InputGrads o;
+  o.dq = at::empty({BT, d.H, d.K}, opts);
+  o.dk = at::empty({BT, d.H, d.K}, opts);
+  o.dg = at::empty({BT, d.HV, d.K}, opts);
+  o.dbeta = at::empty({BT, d.HV}, opts);
+  o.dv = at::empty({BT, d.HV, d.V}, opts);
+  o.dh0 = at::empty({d.N, d.HV, d.K, d.V}, opts);
+  if (cfg.use_gate_in_kernel && in.A_log) o.dA_rows = at::empty({BT, d.HV}, opts);
+  for (const at::Tensor* t : {&o.dq, &o.dk, &o.dv, &o.dg, &o.dh0}) advise_huge_pages(*t);
+  return o;
+}
+
+template <typename T>
+void chain_rule_rows(const ChainArgs<T>& C, const BlockRows& rows, const ChainGlobals<T>& G) {
+  const int64_t N = static_cast<int64_t>(rows.rs.size());
+  const int64_t used = rows.loc[N];
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, used / (4 * threads)));
+  const int64_t H = C.H, HV = C.HV, K = C.K;
+  at::parallel_for(0, used, grain, [&](int64_t b, int64_t e) {
+    int64_t n = static_cast<int64_t>(std::upper_bound(rows.loc.begin(), rows.loc.begin() + N, b) -
+                                     rows.loc.begin()) - 1;
+    while (b < e) {
+      while (rows.loc[n + 1] <= b) ++n;
+      const int64_t stop = std::min(e, rows.loc[n + 1]);
+      const int64_t sh = rows.shift[n];
+      ChainArgs<T> Cn = C;
+      Cn.q = G.q + sh * H * K;
+      if (G.g) Cn.g = G.g + sh * HV * K;
+      Cn.dq = G.dq + sh * H * K;
+      Cn.dk = G.dk + sh * H * K;
+      Cn.dg = G.dg + sh * HV * K;
+      Cn.dbeta = G.dbeta + sh * HV;
+      Cn.dA_rows = G.dA_rows ? G.dA_rows + sh * HV : nullptr;
+      chain_rule_tokens<T>(Cn, b, stop);
+      b = stop;
+    }
+  });
+}
+template void chain_rule_rows<float>(const ChainArgs<float>&, const BlockRows&,
+                                     const ChainGlobals<float>&);
+template void chain_rule_rows<double>(const ChainArgs<double>&, const BlockRows&,
+                                      const ChainGlobals<double>&);
+
+std::vector<at::Tensor> backward_outputs(const InputGrads& o, const Dims& d, const Inputs& in,
+                                         const Config& cfg) {
+  const auto ct = compute_dtype(in.q);
+  const auto opts = in.q.options().dtype(ct);
+  const int64_t BT = d.B * d.T;
+  const bool gate = cfg.use_gate_in_kernel;
+  // The sums over tokens of dA_log and dt_bias, in token order.
+  at::Tensor dA, dbias;
+  if (ct == at::kDouble) {
+    if (o.dA_rows.defined()) dA = column_sums<double>(o.dA_rows);
+    if (gate && in.dt_bias) dbias = column_sums<double>(o.dg.reshape({BT, d.HV * d.K}));
+  } else {
+    if (o.dA_rows.defined()) dA = column_sums<float>(o.dA_rows);
+    if (gate && in.dt_bias) dbias = column_sums<float>(o.dg.reshape({BT, d.HV * d.K}));
   }
 
   std::vector<at::Tensor> out(8);
-  out[0] = dqh.reshape({d.B, d.T, d.H, d.K}).to(in.q.scalar_type());
-  out[1] = dkh.reshape({d.B, d.T, d.H, d.K}).to(in.k.scalar_type());
-  out[2] = kg.dv.reshape({d.B, d.T, d.HV, d.V}).to(in.v.scalar_type());
-  out[3] = dg_in.reshape({d.B, d.T, d.HV, d.K}).to(in.g.scalar_type());
-  out[4] = dbeta.reshape({d.B, d.T, d.HV}).to(in.beta.scalar_type());
+  out[0] = o.dq.reshape({d.B, d.T, d.H, d.K}).to(in.q.scalar_type());
+  out[1] = o.dk.reshape({d.B, d.T, d.H, d.K}).to(in.k.scalar_type());
+  out[2] = o.dv.reshape({d.B, d.T, d.HV, d.V}).to(in.v.scalar_type());
+  out[3] = o.dg.reshape({d.B, d.T, d.HV, d.K}).to(in.g.scalar_type());
+  out[4] = o.dbeta.reshape({d.B, d.T, d.HV}).to(in.beta.scalar_type());
   if (in.initial_state) {
-    at::Tensor h = cfg.state_v_first ? kg.dh0.transpose(-1, -2) : kg.dh0;
+    at::Tensor h = cfg.state_v_first ? o.dh0.transpose(-1, -2) : o.dh0;
     out[5] = h.to(in.initial_state->scalar_type()).contiguous();
   } else {
     out[5] = at::empty({0}, opts);

@@ -7,6 +7,7 @@
 
 #include "cpu/kernels/recurrent_kernels.h"
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -72,6 +73,44 @@ struct Prepared {
 // are made; with it also the values the chain rule needs (qhat, rnorms, g, gate_s, z).
 Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for_backward);
 
+// The first offending indices of the pre-processing pass reported by any thread (-1: none): the
+// smallest wins, so the message does not depend on the thread count.
+struct FirstBad {
+  std::atomic<int64_t> g{-1}, beta{-1};
+  static void keep(std::atomic<int64_t>& first, int64_t idx) {
+    if (idx < 0) return;
+    int64_t cur = first.load();
+    while ((cur < 0 || idx < cur) && !first.compare_exchange_weak(cur, idx)) {
+    }
+  }
+  void add(const kernels::PrepReport& r) {
+    keep(g, r.bad_g);
+    keep(beta, r.bad_beta);
+  }
+};
+// Raises what the pre-processing pass found (docs/bad_inputs.md, "Values outside the domain"),
+// with the value read from the caller's tensor.
+void report_domain(const FirstBad& bad, const Inputs& in, const Dims& d);
+
+// The pre-processing arguments that depend on cfg and d only (float and double); BT = stride,
+// the token stride of the outputs. The caller sets the pointers.
+template <typename T>
+kernels::PrepArgs<T> make_prep_args(const Config& cfg, const Dims& d, int64_t stride);
+
+// The rows of one token block of every sequence (forward and backward token blocks): sequence n's
+// tokens [rs[n], rs[n] + loc[n + 1] - loc[n]) sit at rows [loc[n], loc[n + 1]) of the block
+// buffers, token t at row t - shift[n].
+struct BlockRows {
+  explicit BlockRows(int64_t n) : rs(n), loc(n + 1), shift(n) {}
+  std::vector<int64_t> rs, loc, shift;
+};
+// Pre-processes the rows of a token block (kernels' prep_tokens, in parallel over rows) into P's
+// outputs at the rows' local index; the inputs are read at the local index too with
+// shifted_inputs (block buffers), else at the global token.
+template <typename T>
+void prep_block(const kernels::PrepArgs<T>& P, const BlockRows& rows, bool shifted_inputs,
+                FirstBad& bad);
+
 // Large buffers written once per call (outputs, checkpoints, gradient partials): on Linux, asks
 // for 2 MB pages (transparent huge pages "madvise" mode), ~500x fewer page faults than 4 KB pages.
 // Advice only; call before the first touch.
@@ -133,6 +172,25 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_fwd_cpu(const Inputs& in, const Config& cfg,
                                                               bool with_checkpoints);
 
+// Arguments of the chain rule (csrc/cpu/bwd_common.cpp, chain_rule_tokens).
+template <typename T>
+struct ChainArgs {
+  int64_t BT = 0, H = 0, HV = 0, K = 0, groups = 1;
+  const T *dq_p = nullptr, *dk_p = nullptr, *dg_p = nullptr, *db_p = nullptr;  // [P, BT, HV, *]
+  const T* q = nullptr;       // [BT, H, K] raw q (compute dtype)
+  const T* q_rnorm = nullptr; // [BT, H] or null (no l2 norm)
+  const T* k_hm = nullptr;    // [H, BT, K] khat
+  const T* k_rnorm = nullptr; // [BT, H] or null
+  const T* g = nullptr;       // [BT, HV, K] log decay (softplus gate) or raw gate input (bounded)
+  const T* gate_s = nullptr;  // [BT, HV, K] sigmoid of the gate, or null (no gate in the op)
+  const T* expA = nullptr;    // [HV] exp(A_log) or null
+  const T* bias = nullptr;    // [HV * K] dt_bias or null
+  const T* beta = nullptr;    // [HV, BT] write strength (after the sigmoid)
+  bool softplus = false, beta_sigmoid = false;
+  T scale = 1, lower_bound = 0, beta_c = 1;
+  T *dq = nullptr, *dk = nullptr, *dg = nullptr, *dbeta = nullptr, *dA_rows = nullptr;
+};
+
 // The common start of both CPU backwards (csrc/cpu/bwd_common.cpp): the checked sizes, the
 // recomputed pre-processing (for_backward), the sequences, and in the compute dtype the initial
 // state and the gradient of the final state ([N, HV, K, V], undefined if absent), grad_o
@@ -143,8 +201,10 @@ struct BwdSetup {
   Sequences seqs;
   at::Tensor h0, dht, dout, ckpt;
 };
+// Without with_prepared, p stays empty (the recurrent backward pre-processes block by block).
 BwdSetup backward_setup(const at::Tensor& d_o, const std::optional<at::Tensor>& d_final_state,
-                        const at::Tensor& checkpoints, const Inputs& in, const Config& cfg);
+                        const at::Tensor& checkpoints, const Inputs& in, const Config& cfg,
+                        bool with_prepared = true);
 
 // What a backward kernel produces (compute dtype): gradients w.r.t. the pre-processed q
 // (scale * qhat), khat, the log decay g and beta per VALUE head as `groups` partial sums
@@ -159,6 +219,31 @@ struct KernelGrads {
 // inputs' dtypes and shapes, as recurrent_bwd_cpu returns them.
 std::vector<at::Tensor> backward_finish(const BwdSetup& s, const KernelGrads& kg,
                                         const Inputs& in, const Config& cfg);
+
+// The gradients w.r.t. the op's inputs before the last step, in the compute dtype, token-major:
+// dq, dk [BT, H, K], dv [BT, HV, V], dg [BT, HV, K], dbeta [BT, HV], d_initial_state dh0
+// [N, HV, K, V], and the per-token rows of dA_log [BT, HV] (undefined without A_log and the gate).
+struct InputGrads {
+  at::Tensor dq, dk, dv, dg, dbeta, dh0, dA_rows;
+};
+// Fresh (uninitialised) InputGrads, 2 MB page advice on the large ones.
+InputGrads empty_input_grads(const Dims& d, const Inputs& in, const Config& cfg);
+// The sums over tokens (dA_log, dt_bias, in token order) and the op's outputs in the inputs'
+// dtypes and shapes, as recurrent_bwd_cpu returns them.
+std::vector<at::Tensor> backward_outputs(const InputGrads& g, const Dims& d, const Inputs& in,
+                                         const Config& cfg);
+
+// The chain rule (csrc/cpu/bwd_common.cpp chain_rule_tokens) over the rows of one token block of
+// the recurrent backward: C's block arrays (partials, rnorms, khat, gate values, beta; BT = the
+// block's row stride) are read at the row, G's arrays at the global token (row + shift[n]).
+template <typename T>
+struct ChainGlobals {
+  const T* q = nullptr;  // [B*T, H, K] raw q (compute dtype)
+  const T* g = nullptr;  // [B*T, HV, K] raw gate input (bounded gate), or null: C.g is used
+  T *dq = nullptr, *dk = nullptr, *dg = nullptr, *dbeta = nullptr, *dA_rows = nullptr;
+};
+template <typename T>
+void chain_rule_rows(const ChainArgs<T>& C, const BlockRows& rows, const ChainGlobals<T>& G);
 
 // CPU backward: {dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias}, each in its input's
 // dtype and shape; the last three are empty tensors when the input is absent / unused.

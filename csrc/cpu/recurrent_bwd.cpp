@@ -3,13 +3,23 @@
 // head, group of V-slices) units; the per-group partials are summed in a fixed order and chained
 // through the pre-processing (l2 norm, gate, sigmoid beta) by csrc/cpu/bwd_common.cpp.
 //
-// Determinism: the partition into units depends on the shapes only, never on the thread count,
-// and every sum runs in a fixed order, so results are bitwise identical for any thread count.
+// Token blocks, last first (as the forward's, csrc/cpu/recurrent_fwd.cpp): a block is a few
+// whole checkpoint chunks of every sequence; its pre-processing, the per-group partial gradients
+// and the chain rule run in a workspace of a few MB that stays in cache and is reused from block
+// to block (and by the allocator from call to call), the gradient of the state carries across
+// blocks in dh0, and every output is written once. Nothing full-size is allocated besides the
+// outputs (no page-fault storm per call), and the kernels take per-thread scratch from here.
+//
+// Determinism: the partition into units and blocks depends on the shapes only, never on the
+// thread count, and every sum runs in a fixed order, so results are bitwise identical for any
+// thread count.
 #include "cpu/kda_cpu.h"
 #include "cpu/kernels/recurrent_kernels.h"
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace kda {
@@ -25,42 +35,196 @@ int64_t n_groups(const Dims& d, int64_t n_slices) {
   return std::max<int64_t>(1, std::min(n_slices, want));
 }
 
+// Chunks of kChunk tokens per backward block: the block's pre-processed rows, partials and chain
+// rule inputs take about kBudget bytes (cache-resident, reused). A function of the shapes only.
+int64_t chunks_per_block(const Dims& d, int64_t groups, const Config& cfg, size_t elt) {
+  constexpr int64_t kBudget = int64_t(8) << 20;
+  int64_t per_token = (2 * d.H + 2 * d.HV) * d.K + d.HV;        // q, k, decay, decay*k, beta
+  if (cfg.use_qk_l2norm_in_kernel) per_token += 2 * d.H;           // 1/||q||, 1/||k||
+  if (cfg.use_gate_in_kernel) per_token += 2 * d.HV * d.K;         // log decay, gate sigmoid
+  per_token += groups * (3 * d.HV * d.K + d.HV);                   // partials of dq, dk, dg, dbeta
+  per_token *= static_cast<int64_t>(elt);
+  return std::max<int64_t>(1, std::min<int64_t>(64, kBudget / (per_token * kernels::kChunk)));
+}
+
 template <typename T>
-void run_bwd(const Prepared& p, const Dims& d, const Sequences& seqs, const at::Tensor& h0,
-             const at::Tensor& ckpt, const at::Tensor& dout, const at::Tensor& dht,
-             const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dg,
-             const at::Tensor& dbeta, const at::Tensor& dv, const at::Tensor& dh0,
-             int64_t n_slices, int64_t groups) {
+void run_bwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
+                     const at::Tensor& h0, const at::Tensor& ckpt, const at::Tensor& dout,
+                     const at::Tensor& dht, const InputGrads& out) {
+  const auto ct = compute_dtype(in.q);
+  const auto opts = in.q.options().dtype(ct);
+  const int64_t BT = d.B * d.T, H = d.H, HV = d.HV, K = d.K;
+  constexpr int64_t C = kernels::kChunk;
+  const bool gate = cfg.use_gate_in_kernel;
+  const bool l2 = cfg.use_qk_l2norm_in_kernel;
+  // Inputs in the compute dtype (no copy when they are already), read at the global token.
+  const at::Tensor q_c = in.q.to(ct).contiguous();
+  const at::Tensor k_c = in.k.to(ct).contiguous();
+  const at::Tensor g_c = in.g.to(ct).contiguous();
+  const at::Tensor b_c = in.beta.to(ct).contiguous();
+  const at::Tensor v_c = in.v.to(ct).reshape({BT, HV, d.V}).contiguous();
+  at::Tensor expA, bias;
+  if (gate && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
+  if (gate && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
+
+  const int64_t n_slices = (d.V + kernels::kBwdSlice - 1) / kernels::kBwdSlice;
+  const int64_t groups = n_groups(d, n_slices);
+  const int64_t cb = chunks_per_block(d, groups, cfg, sizeof(T));
+  // Sequence n covers chunks [cf[n], cf[n] + nc[n]) (numbered from its origin).
+  std::vector<int64_t> cf(d.N, 0), nc(d.N, 0);
+  int64_t n_blocks = 1, nb = 0;
+  for (int64_t n = 0; n < d.N; ++n) {
+    const int64_t ts = seqs.start[n], te = seqs.end[n], origin = seqs.origin[n];
+    if (ts == te) continue;
+    cf[n] = (ts - origin) / C;
+    nc[n] = (te - 1 - origin) / C - cf[n] + 1;
+    n_blocks = std::max(n_blocks, (nc[n] + cb - 1) / cb);
+    nb += std::min(te - ts, cb * C);
+  }
+  nb = std::max<int64_t>(1, nb);
+
+  // The block workspace: pre-processed rows, chain-rule inputs, per-group partials.
+  const at::Tensor ws_q = at::empty({H, nb, K}, opts), ws_k = at::empty({H, nb, K}, opts);
+  const at::Tensor ws_a = at::empty({HV, nb, K}, opts), ws_ak = at::empty({HV, nb, K}, opts);
+  const at::Tensor ws_b = at::empty({HV, nb}, opts);
+  at::Tensor ws_qr, ws_kr, ws_g, ws_s;
+  if (l2) ws_qr = at::empty({nb, H}, opts), ws_kr = at::empty({nb, H}, opts);
+  if (gate) {
+    ws_s = at::empty({nb, HV, K}, opts);
+    if (!cfg.lower_bound) ws_g = at::empty({nb, HV, K}, opts);  // the softplus gate's log decay
+  }
+  const at::Tensor dq_p = at::empty({groups, nb, HV, K}, opts);
+  const at::Tensor dk_p = at::empty({groups, nb, HV, K}, opts);
+  const at::Tensor dg_p = at::empty({groups, nb, HV, K}, opts);
+  const at::Tensor db_p = at::empty({groups, nb, HV}, opts);
+  // One scratch per thread for the kernels (recomputed chunk states, state gradients).
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t ws_stride = kernels::bwd_scratch_elems(K, n_slices);
+  const at::Tensor thread_ws = at::empty({threads * ws_stride}, opts);
+  advise_huge_pages(thread_ws);
+  T* const ws0 = thread_ws.data_ptr<T>();
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; };
+
+  kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, nb);
+  P.q = q_c.data_ptr<T>();
+  P.k = k_c.data_ptr<T>();
+  P.g = g_c.data_ptr<T>();
+  P.beta = b_c.data_ptr<T>();
+  P.expA = ptr(expA);
+  P.dt_bias = ptr(bias);
+  P.q_out = ws_q.data_ptr<T>();
+  P.k_out = ws_k.data_ptr<T>();
+  P.a_out = ws_a.data_ptr<T>();
+  P.ak_out = ws_ak.data_ptr<T>();
+  P.beta_out = ws_b.data_ptr<T>();
+  P.q_rnorm = ptr(ws_qr);
+  P.k_rnorm = ptr(ws_kr);
+  P.g_out = ptr(ws_g);
+  P.s_out = ptr(ws_s);
+
+  BlockRows rows(d.N);
+  std::vector<int64_t> re(d.N);
   kernels::BwdArgs<T> A;
-  fill_recurrence_inputs<T>(A, p, d, seqs, h0);
+  A.seqs = seq_info(seqs);
+  A.seqs.shift = rows.shift.data();
+  A.BT = nb;
+  A.H = H;
+  A.HV = HV;
+  A.K = K;
+  A.V = d.V;
+  A.q = P.q_out;
+  A.k = P.k_out;
+  A.a = P.a_out;
+  A.ak = P.ak_out;
+  A.beta = P.beta_out;
+  A.v = v_c.data_ptr<T>();
+  A.h0 = ptr(h0);
   A.ckpt = ckpt.numel() > 0 ? ckpt.data_ptr<T>() : nullptr;
   A.dout = dout.data_ptr<T>();
-  A.dht = dht.defined() ? dht.data_ptr<T>() : nullptr;
-  A.dq = dq.data_ptr<T>();
-  A.dk = dk.data_ptr<T>();
-  A.dg = dg.data_ptr<T>();
-  A.dbeta = dbeta.data_ptr<T>();
-  A.group_stride = d.B * d.T * d.HV * d.K;
-  A.group_stride_beta = d.B * d.T * d.HV;
-  A.dv = dv.data_ptr<T>();
-  A.dh0 = dh0.data_ptr<T>();
+  A.dht = ptr(dht);
+  A.dq = dq_p.data_ptr<T>();
+  A.dk = dk_p.data_ptr<T>();
+  A.dg = dg_p.data_ptr<T>();
+  A.dbeta = db_p.data_ptr<T>();
+  A.group_stride = nb * HV * K;
+  A.group_stride_beta = nb * HV;
+  A.dv = out.dv.data_ptr<T>();
+  A.dh0 = out.dh0.data_ptr<T>();
+
+  // The chain rule reads the block arrays at the row and the caller's arrays (raw q, the bounded
+  // gate's raw input; the outputs) at the global token: those pointers move by shift[n].
+  ChainArgs<T> Cb;
+  Cb.BT = nb;
+  Cb.H = H;
+  Cb.HV = HV;
+  Cb.K = K;
+  Cb.groups = groups;
+  Cb.dq_p = A.dq;
+  Cb.dk_p = A.dk;
+  Cb.dg_p = A.dg;
+  Cb.db_p = A.dbeta;
+  Cb.q_rnorm = P.q_rnorm;
+  Cb.k_hm = P.k_out;
+  Cb.k_rnorm = P.k_rnorm;
+  Cb.gate_s = P.s_out;
+  Cb.expA = P.expA;
+  Cb.bias = P.dt_bias;
+  Cb.beta = P.beta_out;
+  Cb.softplus = gate && !cfg.lower_bound;
+  Cb.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
+  Cb.scale = static_cast<T>(cfg.scale);
+  Cb.lower_bound = static_cast<T>(cfg.lower_bound.value_or(0.0));
+  Cb.beta_c = cfg.allow_neg_eigval ? T(2) : T(1);
+  Cb.g = P.g_out;  // the softplus gate's log decay (block rows)
+  ChainGlobals<T> G;
+  G.q = q_c.data_ptr<T>();
+  if (gate && cfg.lower_bound) G.g = g_c.data_ptr<T>();  // the bounded gate's raw input
+  G.dq = out.dq.data_ptr<T>();
+  G.dk = out.dk.data_ptr<T>();
+  G.dg = out.dg.data_ptr<T>();
+  G.dbeta = out.dbeta.data_ptr<T>();
+  G.dA_rows = ptr(out.dA_rows);
+
   const auto& tab = kernels::table();
-  auto fn = [&]() {
+  auto bwd = [&]() {
     if constexpr (std::is_same_v<T, float>) {
       return tab.bwd_f32;
     } else {
       return tab.bwd_f64;
     }
   }();
-  const int64_t units = d.N * d.HV * groups;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t g = u % groups;
-      const int64_t hv = (u / groups) % d.HV;
-      const int64_t n = u / (groups * d.HV);
-      fn(A, n, hv, g * n_slices / groups, (g + 1) * n_slices / groups, g);
+  const int64_t units = d.N * HV * groups;
+  for (int64_t j = n_blocks - 1; j >= 0; --j) {
+    int64_t used = 0;
+    for (int64_t n = 0; n < d.N; ++n) {
+      const int64_t ts = seqs.start[n], te = seqs.end[n], origin = seqs.origin[n];
+      const int64_t c0 = cf[n] + j * cb;
+      rows.rs[n] = std::clamp(origin + c0 * C, ts, te);
+      re[n] = std::clamp(origin + (c0 + cb) * C, ts, te);
+      rows.loc[n] = used;
+      rows.shift[n] = rows.rs[n] - used;
+      used += re[n] - rows.rs[n];
     }
-  });
+    rows.loc[d.N] = used;
+    FirstBad bad;
+    prep_block<T>(P, rows, /*shifted_inputs=*/false, bad);
+    report_domain(bad, in, d);
+    // The recurrence over the block. An empty sequence still runs once (in block 0), so its
+    // initial-state gradient is dht.
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      T* ws = ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * ws_stride;
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t g = u % groups;
+        const int64_t hv = (u / groups) % HV;
+        const int64_t n = u / (groups * HV);
+        if (rows.rs[n] == re[n] && !(j == 0 && seqs.start[n] == seqs.end[n])) continue;
+        bwd(A, n, hv, g * n_slices / groups, (g + 1) * n_slices / groups, g, rows.rs[n], re[n],
+            ws);
+      }
+    });
+    // The chain rule over the block's rows, written to the outputs at the global tokens.
+    chain_rule_rows<T>(Cb, rows, G);
+  }
 }
 
 }  // namespace
@@ -69,30 +233,16 @@ std::vector<at::Tensor> recurrent_bwd_cpu(const at::Tensor& d_o,
                                           const std::optional<at::Tensor>& d_final_state,
                                           const at::Tensor& checkpoints, const Inputs& in,
                                           const Config& cfg) {
-  const BwdSetup s = backward_setup(d_o, d_final_state, checkpoints, in, cfg);
-  const Dims& d = s.d;
-  const auto opts = in.q.options().dtype(compute_dtype(in.q));
-  const int64_t BT = d.B * d.T;
-
-  const int64_t n_slices = (d.V + kernels::kBwdSlice - 1) / kernels::kBwdSlice;
-  KernelGrads kg;
-  kg.groups = n_groups(d, n_slices);
-  kg.dq = at::empty({kg.groups, BT, d.HV, d.K}, opts);
-  kg.dk = at::empty({kg.groups, BT, d.HV, d.K}, opts);
-  kg.dg = at::empty({kg.groups, BT, d.HV, d.K}, opts);
-  kg.dbeta = at::empty({kg.groups, BT, d.HV}, opts);
-  kg.dv = at::empty({BT, d.HV, d.V}, opts);
-  kg.dh0 = at::empty({d.N, d.HV, d.K, d.V}, opts);
-  for (const at::Tensor* t : {&kg.dq, &kg.dk, &kg.dg, &kg.dv}) advise_huge_pages(*t);
-  if (opts.dtype() == at::kDouble) {
-    run_bwd<double>(s.p, d, s.seqs, s.h0, s.ckpt, s.dout, s.dht, kg.dq, kg.dk, kg.dg, kg.dbeta,
-                    kg.dv, kg.dh0, n_slices, kg.groups);
+  const BwdSetup s = backward_setup(d_o, d_final_state, checkpoints, in, cfg,
+                                    /*with_prepared=*/false);
+  // The outputs, written once (in the compute dtype; converted at the end only for other dtypes).
+  const InputGrads o = empty_input_grads(s.d, in, cfg);
+  if (compute_dtype(in.q) == at::kDouble) {
+    run_bwd_blocked<double>(in, cfg, s.d, s.seqs, s.h0, s.ckpt, s.dout, s.dht, o);
   } else {
-    run_bwd<float>(s.p, d, s.seqs, s.h0, s.ckpt, s.dout, s.dht, kg.dq, kg.dk, kg.dg, kg.dbeta,
-                   kg.dv, kg.dh0, n_slices, kg.groups);
+    run_bwd_blocked<float>(in, cfg, s.d, s.seqs, s.h0, s.ckpt, s.dout, s.dht, o);
   }
-  // The chain rule through the pre-processing (csrc/cpu/bwd_common.cpp).
-  return backward_finish(s, kg, in, cfg);
+  return backward_outputs(o, s.d, in, cfg);
 }
 
 }  // namespace detail

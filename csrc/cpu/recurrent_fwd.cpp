@@ -21,49 +21,11 @@ namespace kda {
 namespace detail {
 
 namespace {
-// The first offending indices reported by any thread (-1: none): the smallest wins, so the
-// message does not depend on the thread count.
-struct FirstBad {
-  std::atomic<int64_t> g{-1}, beta{-1};
-  static void keep(std::atomic<int64_t>& first, int64_t idx) {
-    if (idx < 0) return;
-    int64_t cur = first.load();
-    while ((cur < 0 || idx < cur) && !first.compare_exchange_weak(cur, idx)) {
-    }
-  }
-  void add(const kernels::PrepReport& r) {
-    keep(g, r.bad_g);
-    keep(beta, r.bad_beta);
-  }
-};
-
 // "[b, t, h" of a global token index (token = b * T + t).
 std::string where_of(int64_t token, int64_t T, int64_t h) {
   std::ostringstream s;
   s << "[" << (T > 0 ? token / T : 0) << ", " << (T > 0 ? token % T : token) << ", " << h;
   return s.str();
-}
-
-// Raises what the pre-processing pass found (docs/bad_inputs.md, "Values outside the domain"),
-// with the value read from the caller's tensor. (The warning about beta * ||k||^2 > 2 is
-// Python's: a TORCH_WARN from an op called through torch.ops reaches stderr, not Python.)
-void report_domain(FirstBad& bad, const Inputs& in, const Dims& d) {
-  const int64_t bg = bad.g.load(), bb = bad.beta.load();
-  if (bg >= 0) {
-    const int64_t token = bg / (d.HV * d.K), hv = (bg / d.K) % d.HV, i = bg % d.K;
-    const double val = in.g.reshape({-1})[bg].item<double>();
-    TORCH_CHECK_VALUE(false, "kda::fused_recurrent: g must be a log-decay <= 0 with "
-                      "use_gate_in_kernel=False, got g", where_of(token, d.T, hv), ", ", i,
-                      "] = ", val, "; pass log(decay) for a decay in (0, 1], or the raw gate "
-                      "input with use_gate_in_kernel=True and A_log");
-  }
-  if (bb >= 0) {
-    const int64_t token = bb / d.HV, hv = bb % d.HV;
-    const double val = in.beta.reshape({-1})[bb].item<double>();
-    TORCH_CHECK_VALUE(false, "kda::fused_recurrent: beta must lie in [0, 2] with "
-                      "use_beta_sigmoid_in_kernel=False, got beta", where_of(token, d.T, hv),
-                      "] = ", val, "; pass use_beta_sigmoid_in_kernel=True if beta holds logits");
-  }
 }
 
 template <typename T>
@@ -105,6 +67,30 @@ void fill_prep(kernels::PrepArgs<T>& P, const at::Tensor& q, const at::Tensor& k
   P.s_out = ptr_or_null<T>(p.gate_s);
 }
 
+}  // namespace
+
+// Raises what the pre-processing pass found (docs/bad_inputs.md, "Values outside the domain"),
+// with the value read from the caller's tensor. (The warning about beta * ||k||^2 > 2 is
+// Python's: a TORCH_WARN from an op called through torch.ops reaches stderr, not Python.)
+void report_domain(const FirstBad& bad, const Inputs& in, const Dims& d) {
+  const int64_t bg = bad.g.load(), bb = bad.beta.load();
+  if (bg >= 0) {
+    const int64_t token = bg / (d.HV * d.K), hv = (bg / d.K) % d.HV, i = bg % d.K;
+    const double val = in.g.reshape({-1})[bg].item<double>();
+    TORCH_CHECK_VALUE(false, "kda::fused_recurrent: g must be a log-decay <= 0 with "
+                      "use_gate_in_kernel=False, got g", where_of(token, d.T, hv), ", ", i,
+                      "] = ", val, "; pass log(decay) for a decay in (0, 1], or the raw gate "
+                      "input with use_gate_in_kernel=True and A_log");
+  }
+  if (bb >= 0) {
+    const int64_t token = bb / d.HV, hv = bb % d.HV;
+    const double val = in.beta.reshape({-1})[bb].item<double>();
+    TORCH_CHECK_VALUE(false, "kda::fused_recurrent: beta must lie in [0, 2] with "
+                      "use_beta_sigmoid_in_kernel=False, got beta", where_of(token, d.T, hv),
+                      "] = ", val, "; pass use_beta_sigmoid_in_kernel=True if beta holds logits");
+  }
+}
+
 template <typename T>
 kernels::PrepArgs<T> make_prep_args(const Config& cfg, const Dims& d, int64_t stride) {
   kernels::PrepArgs<T> P;
@@ -122,7 +108,43 @@ kernels::PrepArgs<T> make_prep_args(const Config& cfg, const Dims& d, int64_t st
   P.beta_mult = cfg.allow_neg_eigval ? 2.0 : 1.0;
   return P;
 }
-}  // namespace
+template kernels::PrepArgs<float> make_prep_args<float>(const Config&, const Dims&, int64_t);
+template kernels::PrepArgs<double> make_prep_args<double>(const Config&, const Dims&, int64_t);
+
+template <typename T>
+void prep_block(const kernels::PrepArgs<T>& P, const BlockRows& rows, bool shifted_inputs,
+                FirstBad& bad) {
+  const auto& tab = kernels::table();
+  auto prep = [&]() {
+    if constexpr (std::is_same_v<T, float>) {
+      return tab.prep_f32;
+    } else {
+      return tab.prep_f64;
+    }
+  }();
+  const int64_t N = static_cast<int64_t>(rows.rs.size());
+  const int64_t used = rows.loc[N];
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  // A few rows per task, so that every thread gets some of a short block.
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, used / (4 * threads)));
+  at::parallel_for(0, used, grain, [&](int64_t b, int64_t e) {
+    int64_t n = static_cast<int64_t>(std::upper_bound(rows.loc.begin(), rows.loc.begin() + N, b) -
+                                     rows.loc.begin()) - 1;
+    while (b < e) {
+      while (rows.loc[n + 1] <= b) ++n;
+      const int64_t stop = std::min(e, rows.loc[n + 1]);
+      kernels::PrepArgs<T> Pn = P;
+      Pn.out_shift = rows.shift[n];
+      Pn.in_shift = shifted_inputs ? rows.shift[n] : 0;
+      bad.add(prep(Pn, rows.rs[n] + (b - rows.loc[n]), rows.rs[n] + (stop - rows.loc[n])));
+      b = stop;
+    }
+  });
+}
+template void prep_block<float>(const kernels::PrepArgs<float>&, const BlockRows&, bool,
+                                FirstBad&);
+template void prep_block<double>(const kernels::PrepArgs<double>&, const BlockRows&, bool,
+                                 FirstBad&);
 
 Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for_backward) {
   const auto ct = compute_dtype(in.q);
@@ -339,7 +361,10 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   P.ak_out = ws_ak.data_ptr<T>();
   P.beta_out = ws_b.data_ptr<T>();
 
-  std::vector<int64_t> shift(d.N, 0), vo_shift(d.N, 0);
+  // This block's token range [rs, re) of every sequence, its rows in the workspace, the shifts.
+  BlockRows rows(d.N);
+  std::vector<int64_t>&rs = rows.rs, &loc = rows.loc, &shift = rows.shift;
+  std::vector<int64_t> re(d.N), vo_shift(d.N, 0);
   kernels::FwdArgs<T> A;
   A.seqs = seq_info(seqs);
   A.seqs.shift = shift.data();
@@ -360,17 +385,6 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   A.ht = ht.data_ptr<T>();
   A.ckpt = ckpt.defined() && ckpt.numel() > 0 ? ckpt.data_ptr<T>() : nullptr;
 
-  const auto& tab = kernels::table();
-  auto prep = [&]() {
-    if constexpr (std::is_same_v<T, float>) {
-      return tab.prep_f32;
-    } else {
-      return tab.prep_f64;
-    }
-  }();
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-
-  std::vector<int64_t> rs(d.N), re(d.N), loc(d.N + 1);
   for (int64_t j = 0; j < plan.n_blocks; ++j) {
     // This block's token range of every sequence, and its rows in the workspace.
     int64_t used = 0;
@@ -396,24 +410,10 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
         if (conv_vo) v_w.narrow(0, loc[n], len).copy_(v_in.narrow(0, rs[n], len));
       }
     }
-    // Pre-processing of the block's rows, in parallel over rows (a few rows per task, so that
-    // every thread gets some of a short block); values outside the domain are reported before
-    // the block's recurrence runs.
+    // Pre-processing of the block's rows; values outside the domain are reported before the
+    // block's recurrence runs.
     FirstBad bad;
-    const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, used / (4 * threads)));
-    at::parallel_for(0, used, grain, [&](int64_t b, int64_t e) {
-      int64_t n = static_cast<int64_t>(std::upper_bound(loc.begin(), loc.begin() + d.N, b) -
-                                       loc.begin()) - 1;
-      while (b < e) {
-        while (loc[n + 1] <= b) ++n;
-        const int64_t stop = std::min(e, loc[n + 1]);
-        kernels::PrepArgs<T> Pn = P;
-        Pn.out_shift = shift[n];
-        Pn.in_shift = conv_in ? shift[n] : 0;
-        bad.add(prep(Pn, rs[n] + (b - loc[n]), rs[n] + (stop - loc[n])));
-        b = stop;
-      }
-    });
+    prep_block<T>(P, rows, conv_in, bad);
     report_domain(bad, in, d);
     run_block(A, rs, re, j);
     if (conv_vo) {

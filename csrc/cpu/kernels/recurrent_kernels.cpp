@@ -8,10 +8,9 @@
 //
 // Math: docs/math.md ("Forward recurrence", "Backward"). A unit owns a
 // K x W slice of the state (W <= 32 floats: 16 KB at K = 128, resident in L1 for all T) and never
-// allocates inside its time loop.
+// allocates: its scratch comes from the driver, one per thread, reused by all its units.
 #include "cpu/kernels/recurrent_kernels.h"
 
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -65,25 +64,6 @@ constexpr int kRows = 2;
 // AVX-512 object by a caller on a CPU without AVX-512.
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
-
-// 64-byte aligned scratch memory, zero-filled (allocated once per unit, outside time loops).
-template <typename E>
-class Scratch {
- public:
-  explicit Scratch(int64_t n) {
-    const size_t bytes = ((static_cast<size_t>(n) * sizeof(E) + 63) / 64) * 64 + 64;
-    p_ = static_cast<E*>(std::aligned_alloc(64, bytes));
-    if (p_ == nullptr) std::abort();
-    std::memset(static_cast<void*>(p_), 0, bytes);
-  }
-  ~Scratch() { std::free(p_); }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  E* data() const { return p_; }
-
- private:
-  E* p_ = nullptr;
-};
 
 template <typename T>
 inline vec_t<T> splat(T x) {
@@ -690,10 +670,17 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   const int64_t h = hv / (HV / H);
   const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
   const int64_t origin = A.seqs.origin[n], slot_base = A.seqs.slot_base[n];
+  const int64_t sh = A.seqs.shift ? A.seqs.shift[n] : 0;
   const int64_t state_off = (n * HV + hv) * K * Vd + j0;  // in [N, HV, K, V]
   const int64_t ckpt_off = hv * K * Vd + j0;               // in one slot of [slots, HV, K, V]
   const int64_t slot_stride = HV * K * Vd;
   const int64_t KN = K * NV;
+  // Rows of the pre-processed block arrays at the local token index (t - sh).
+  const T* a_h = A.a + (hv * A.BT - sh) * K;
+  const T* ak_h = A.ak + (hv * A.BT - sh) * K;
+  const T* k_h = A.k + (h * A.BT - sh) * K;
+  const T* q_h = A.q + (h * A.BT - sh) * K;
+  const T* b_h = A.beta + hv * A.BT - sh;
 
   {
     {
@@ -706,28 +693,28 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
         load_slice<T, NV>(Sbuf, A.ckpt + (slot_base + c) * slot_stride + ckpt_off, K, Vd, width);
       }
       V r[NV];
-      decayed_key_read<T, NV>(r, Sbuf, A.ak + (hv * A.BT + s0) * K, K);
+      decayed_key_read<T, NV>(r, Sbuf, ak_h + s0 * K, K);
       for (int64_t t = s0; t < e; ++t) {
         const int64_t slot = t - s0;
         for (int cc = 0; cc < NV; ++cc) rbuf[slot * NV + cc] = r[cc];
         if (t + 1 == e) break;
-        const V b = splat<T>(A.beta[hv * A.BT + t]);
+        const V b = splat<T>(b_h[t]);
         const T* vt = A.v + (t * HV + hv) * Vd + j0;
         V u[NV];
         for (int cc = 0; cc < NV; ++cc) u[cc] = b * (load_cols(vt + cc * L, width - cc * L) - r[cc]);
         V unused[NV];
         write_step<T, NV, false>(Sbuf + (slot + 1) * KN, Sbuf + slot * KN, u,
-                                 A.a + (hv * A.BT + t) * K, A.k + (h * A.BT + t) * K, zeros,
-                                 A.ak + (hv * A.BT + (t + 1)) * K, K, unused, r);
+                                 a_h + t * K, k_h + t * K, zeros,
+                                 ak_h + (t + 1) * K, K, unused, r);
       }
       // Backward through the chunk, last token first.
       for (int64_t t = e - 1; t >= s0; --t) {
         const int64_t slot = t - s0;
         const V* Sp = Sbuf + slot * KN;  // S_{t-1}
-        const T* at = A.a + (hv * A.BT + t) * K;
-        const T* kt = A.k + (h * A.BT + t) * K;
-        const T* qt = A.q + (h * A.BT + t) * K;
-        const T bs = A.beta[hv * A.BT + t];
+        const T* at = a_h + t * K;
+        const T* kt = k_h + t * K;
+        const T* qt = q_h + t * K;
+        const T bs = b_h[t];
         const V b = splat<T>(bs);
         V r_[NV], u[NV], dov[NV];
         const T* dot = A.dout + (t * HV + hv) * Vd + j0;
@@ -738,7 +725,7 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
           u[cc] = b * r_[cc];
           dov[cc] = load_cols(dot + cc * L, width - cc * L);
         }
-        const int64_t row = (t * HV + hv) * K;
+        const int64_t row = ((t - sh) * HV + hv) * K;
         T* dq = A.dq + p * A.group_stride + row;
         T* dk = A.dk + p * A.group_stride + row;
         T* dg = A.dg + p * A.group_stride + row;
@@ -792,7 +779,7 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
         }
         const T dbt = hsum_n<T, NV>(wb);
         const T udo = hsum_n<T, NV>(wu);
-        T* dbp = A.dbeta + p * A.group_stride_beta + t * HV + hv;
+        T* dbp = A.dbeta + p * A.group_stride_beta + (t - sh) * HV + hv;
         *dbp = first ? dbt : *dbp + dbt;
         // Pass 2: per-row D.u, P.delta, D.P, and H_{t-1} = Diag(a) (D - beta k delta^T).
 #pragma GCC unroll 2
@@ -819,63 +806,62 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   }
 }
 
-// Backward of slices [s_begin, s_end) of value head hv of sequence n, writing partial p of the
-// sums over columns (the first slice stores, the others add, in slice order). Chunks run last
-// first; inside a chunk every slice runs before the next chunk, so the chunk's input rows and
-// gradient rows are fetched once and reused from cache by all slices.
+// Backward of tokens [t0, t1) (whole chunks, but for the sequence's ends) and slices
+// [s_begin, s_end) of value head hv of sequence n, writing partial p of the sums over columns (the
+// first slice stores, the others add, in slice order). Chunks run last first; inside a chunk every
+// slice runs before the next chunk, so the chunk's input rows and gradient rows are fetched once
+// and reused from cache by all slices. The running state gradient comes from dht (the range that
+// ends the sequence) or dh0 (a later range ran before) and goes back to dh0. ws: the caller's
+// scratch (bwd_scratch_elems); nothing is allocated here.
 template <typename T>
 void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
-              int64_t p) {
+              int64_t p, int64_t t0, int64_t t1, T* ws) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   constexpr int64_t NVmax = (kBwdSlice + L - 1) / L;
+  static_assert(NVmax * L == kBwdSlice, "a slice is a whole number of vectors");
   const int64_t K = A.K, Vd = A.V, HV = A.HV;
   const int64_t n_sl = s_end - s_begin;
-  const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
+  const int64_t te = A.seqs.seq_end[n];
   const int64_t origin = A.seqs.origin[n];
   const int64_t state_base = (n * HV + hv) * K * Vd;  // in [N, HV, K, V]
-  Scratch<V> Sbuf(kChunk * K * NVmax);
-  Scratch<V> rbuf(kChunk * NVmax);
-  Scratch<V> Hs(n_sl * K * NVmax);
-  Scratch<V> W(4 * K);  // per-row partial products (P.do, D.u, P.delta, D.P) before row sums
-  const Scratch<T> zeros(K);
-  auto slice = [&](int64_t i, int64_t& j0, int64_t& width, int64_t& nv) {
+  // The caller's scratch, in the order of bwd_scratch_elems.
+  V* const Sbuf = reinterpret_cast<V*>(ws);
+  V* const rbuf = Sbuf + kChunk * K * NVmax;
+  V* const Hs = rbuf + kChunk * NVmax;
+  V* const W = Hs + n_sl * K * NVmax;  // per-row partial products (P.do, D.u, P.delta, D.P)
+  T* const zeros = ws + kChunk * K * kBwdSlice + kChunk * kBwdSlice + n_sl * K * kBwdSlice +
+                   4 * K * 16;
+  for (int64_t i = 0; i < K; ++i) zeros[i] = T(0);
+  auto slice = [&](int64_t i, int64_t& j0, int64_t& width) {
     j0 = (s_begin + i) * kBwdSlice;
     width = imin(kBwdSlice, Vd - j0);
-    nv = (width + L - 1) / L;
   };
+  const T* src = t1 == te ? A.dht : A.dh0;
   for (int64_t i = 0; i < n_sl; ++i) {
-    int64_t j0, width, nv;
-    slice(i, j0, width, nv);
-    // Padded columns stay zero; NVmax-wide rows work for any nv (zero padding).
-    load_slice<T, NVmax>(Hs.data() + i * K * NVmax, A.dht ? A.dht + state_base + j0 : nullptr, K,
-                         Vd, width);
+    int64_t j0, width;
+    slice(i, j0, width);
+    // Padded columns stay zero; NVmax-wide rows work for any width (zero padding).
+    load_slice<T, NVmax>(Hs + i * K * NVmax, src ? src + state_base + j0 : nullptr, K, Vd, width);
   }
-  if (ts < te) {
-    const int64_t c_first = (ts - origin) / kChunk;
-    const int64_t c_last = (te - 1 - origin) / kChunk;
+  if (t0 < t1) {
+    const int64_t c_first = (t0 - origin) / kChunk;
+    const int64_t c_last = (t1 - 1 - origin) / kChunk;
     for (int64_t c = c_last; c >= c_first; --c) {
       for (int64_t i = 0; i < n_sl; ++i) {
-        int64_t j0, width, nv;
-        slice(i, j0, width, nv);
-        V* Hi = Hs.data() + i * K * NVmax;
-        const bool first = i == 0;
-        auto run = [&](auto nv_const) {
-          constexpr int NV = decltype(nv_const)::value;
-          bwd_chunk<T, NV>(A, n, hv, j0, width, p, first, c, Sbuf.data(), rbuf.data(), Hi,
-                           zeros.data(), W.data());
-        };
-        // The slice's Hs rows are NVmax wide: run the NVmax variant (zero padding) unless the
-        // slice fits one vector less often than never; keeps the layout of Hs fixed.
-        (void)nv;
-        run(std::integral_constant<int, static_cast<int>(NVmax)>{});
+        int64_t j0, width;
+        slice(i, j0, width);
+        // The slice's Hs rows are NVmax wide: the NVmax variant (zero padding) for every width
+        // keeps the layout of Hs fixed.
+        bwd_chunk<T, static_cast<int>(NVmax)>(A, n, hv, j0, width, p, i == 0, c, Sbuf, rbuf,
+                                               Hs + i * K * NVmax, zeros, W);
       }
     }
   }
   for (int64_t i = 0; i < n_sl; ++i) {
-    int64_t j0, width, nv;
-    slice(i, j0, width, nv);
-    store_slice<T, NVmax>(A.dh0 + state_base + j0, Hs.data() + i * K * NVmax, K, Vd, width);
+    int64_t j0, width;
+    slice(i, j0, width);
+    store_slice<T, NVmax>(A.dh0 + state_base + j0, Hs + i * K * NVmax, K, Vd, width);
   }
 }
 

@@ -28,9 +28,10 @@ struct SeqInfo {
   const int64_t* seq_end = nullptr;
   const int64_t* origin = nullptr;
   const int64_t* slot_base = nullptr;
-  // The forward runs in token blocks (csrc/cpu/recurrent_fwd.cpp): the pre-processed arrays hold
-  // one block, sequence n's token t at local index t - shift[n]; v and o likewise at
-  // t - vo_shift[n] when they are block buffers. Null means local == global (whole arrays).
+  // The forward and the backward run in token blocks (csrc/cpu/recurrent_fwd.cpp,
+  // recurrent_bwd.cpp): the pre-processed arrays (and the backward's partial gradients) hold one
+  // block, sequence n's token t at local index t - shift[n]; v and o likewise at t - vo_shift[n]
+  // when they are block buffers. Null means local == global (whole arrays).
   const int64_t* shift = nullptr;
   const int64_t* vo_shift = nullptr;
 };
@@ -60,10 +61,12 @@ struct FwdArgs : RecurrenceInputs<T> {
   T* ckpt = nullptr;        // [slots, HV, K, V] or null (no checkpoints)
 };
 
+// The backward: BT (of RecurrenceInputs) is the token stride of the pre-processed block arrays
+// and of the partials; v, dout and dv are whole arrays indexed by the global token.
 template <typename T>
 struct BwdArgs : RecurrenceInputs<T> {
   const T* ckpt = nullptr;  // [slots, HV, K, V] written by the forward
-  const T* dout = nullptr;  // [BT, HV, V]
+  const T* dout = nullptr;  // [B*T, HV, V]
   const T* dht = nullptr;   // [N, HV, K, V] or null
   // Sums over V columns: unit (n, hv, group p) writes partial p: [P, BT, HV, K] and [P, BT, HV].
   T* dq = nullptr;          // gradient w.r.t. the pre-processed q (scale included)
@@ -72,8 +75,10 @@ struct BwdArgs : RecurrenceInputs<T> {
   T* dbeta = nullptr;
   int64_t group_stride = 0; // BT * HV * K  (elements between partials of dq, dk, dg)
   int64_t group_stride_beta = 0;  // BT * HV
-  T* dv = nullptr;          // [BT, HV, V]
-  T* dh0 = nullptr;         // [N, HV, K, V]
+  T* dv = nullptr;          // [B*T, HV, V]
+  // [N, HV, K, V]: the gradient w.r.t. the initial state, and the running gradient of the state
+  // between token ranges (the range that ends a sequence reads dht, any earlier range dh0).
+  T* dh0 = nullptr;
 };
 
 // Per-token pre-processing (docs/math.md "Gates"): l2 norm and
@@ -118,6 +123,15 @@ constexpr int64_t fwd_scratch_elems(int64_t K, int64_t n_slices) {
   return n_slices * (K * kFwdSlice + kFwdSlice) + (K + 15) / 16 * 16;
 }
 
+// Scratch of one backward call (elements of the compute type): the recomputed states of a chunk
+// (kChunk x K x kBwdSlice), their reads (kChunk x kBwdSlice), the running state gradient of every
+// slice (K x kBwdSlice each), the per-row partial products (4 K vectors of at most 64 bytes), K
+// zeros; multiples of 16 elements (64-byte aligned parts).
+constexpr int64_t bwd_scratch_elems(int64_t K, int64_t n_slices) {
+  return kChunk * K * kBwdSlice + kChunk * kBwdSlice + n_slices * K * kBwdSlice + 4 * K * 16 +
+         (K + 15) / 16 * 16;
+}
+
 // What the pre-processing pass found outside the domain where the recurrence is defined
 // (docs/math.md "Domain of the inputs"); found for free while the values pass through registers.
 // Each field is the FIRST offending index in the pass's token range (global token numbering t,
@@ -140,11 +154,14 @@ struct Table {
                   int64_t t0, int64_t t1, float* ws);
   void (*fwd_f64)(const FwdArgs<double>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
                   int64_t t0, int64_t t1, double* ws);
-  // Backward of slices [s_begin, s_end) (kBwdSlice columns each) of (n, hv), writing partial p.
+  // Backward of tokens [t0, t1) of sequence n (whole kChunk chunks of it, except at its ends;
+  // t1 == seq_end reads dht, else dh0), slices [s_begin, s_end) (kBwdSlice columns each) of value
+  // head hv, writing partial p; the state gradient goes to dh0. ws: the calling thread's scratch,
+  // bwd_scratch_elems(K, s_end - s_begin) elements, 64-byte aligned.
   void (*bwd_f32)(const BwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
-                  int64_t p);
+                  int64_t p, int64_t t0, int64_t t1, float* ws);
   void (*bwd_f64)(const BwdArgs<double>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
-                  int64_t p);
+                  int64_t p, int64_t t0, int64_t t1, double* ws);
 };
 
 // The best kernels this CPU supports (chosen once).

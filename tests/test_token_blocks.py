@@ -109,3 +109,36 @@ def test_gradients_across_backward_blocks_match_the_float64_reference(gate, seql
     for name, gr in g_ref.items():
         assert rel_err(g64[name], gr) < 1e-11, name
         assert rel_err(g32[name], gr) < 5e-5, name
+
+
+def test_mixed_16_bit_and_fp32_inputs_equal_fp32_inputs_of_the_same_values():
+    # The pre-processing pass reads each input as it is stored (bf16 q/k/v, an fp16 gate input,
+    # fp32 beta logits here): the result is bitwise the fp32 op's on the same values.
+    p = make_problem(B=1, T=300, H=8, HV=16, K=130, V=6, gate="softplus", seed=9)
+    args = dict(zip(("q", "k", "v", "g", "beta"), p.args), **p.kwargs)
+    mixed = dict(args, q=args["q"].bfloat16(), k=args["k"].bfloat16(), v=args["v"].bfloat16(),
+                 g=args["g"].half(), beta=args["beta"].float(),
+                 initial_state=args["initial_state"].float(), A_log=args["A_log"].float(),
+                 dt_bias=args["dt_bias"].float())
+    same = {n: (x.float() if torch.is_tensor(x) and x.is_floating_point() else x)
+            for n, x in mixed.items()}
+    o, s = torch_kda.fused_recurrent_kda(**mixed, backend="native")
+    o32, s32 = torch_kda.fused_recurrent_kda(**same, backend="native")
+    assert o.dtype == torch.bfloat16
+    assert torch.equal(o, o32.bfloat16())
+    assert torch.equal(s, s32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_values_outside_the_domain_are_named(dtype):
+    p = make_problem(B=1, T=300, H=2, HV=4, K=16, V=8, gate="none", beta_sigmoid=False, seed=13)
+    args = {n: (x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x)
+            for n, x in dict(zip(("q", "k", "v", "g", "beta"), p.args), **p.kwargs).items()}
+    g = args["g"].clone()
+    g[0, 250, 3, 7] = 0.5
+    with pytest.raises(ValueError, match=r"g\[0, 250, 3, 7\] = 0\.5"):
+        torch_kda.fused_recurrent_kda(**dict(args, g=g), backend="native")
+    beta = args["beta"].clone()
+    beta[0, 199, 2] = 3.0
+    with pytest.raises(ValueError, match=r"beta\[0, 199, 2\] = 3"):
+        torch_kda.fused_recurrent_kda(**dict(args, beta=beta), backend="native")

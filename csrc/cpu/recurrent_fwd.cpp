@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -263,6 +264,15 @@ at::Tensor state_kv(const std::optional<at::Tensor>& s, const Config& cfg, at::S
 
 namespace {
 
+// How the pre-processing pass reads an input of dtype st for compute dtype ct (Storage), or
+// nothing when it cannot read it directly (the driver converts it first).
+std::optional<kernels::Storage> storage_of(at::ScalarType st, at::ScalarType ct) {
+  if (st == ct) return kernels::Storage::kCompute;
+  if (ct == at::kFloat && st == at::kBFloat16) return kernels::Storage::kBf16;
+  if (ct == at::kFloat && st == at::kHalf) return kernels::Storage::kF16;
+  return std::nullopt;
+}
+
 // Token blocks of the forward: the pre-processed q, k, decay, decay*k and beta of one block of
 // every sequence (tb tokens each) live in a small workspace (~8 MB: L3-resident, and reused by
 // the allocator from call to call instead of page-faulting fresh full-size arrays in); the
@@ -307,17 +317,22 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   const int64_t BT = d.B * d.T;
   const BlockPlan plan = plan_blocks(d, seqs, sizeof(T));
   const int64_t nb = plan.nb;
-  // Inputs in another dtype (bf16, fp16; or fp32 under fp64 q) are converted block by block into
-  // the workspace (in cache) instead of as whole-array copies; so are v and the output o when
-  // o's dtype is not the compute dtype.
-  const bool conv_in = in.k.scalar_type() != ct || in.q.scalar_type() != ct ||
-                       in.g.scalar_type() != ct || in.beta.scalar_type() != ct;
+  // bf16 / fp16 inputs of an fp32 computation are read as they are by the pre-processing pass,
+  // which widens them in registers (half the bytes, no conversion pass; v is widened into the
+  // block's rows by the same pass). Other mixes (fp32 under fp64 q, or fp16 g with bf16 q) are
+  // converted block by block into the workspace (in cache) instead of as whole-array copies; so
+  // is the output o when its dtype is not the compute dtype.
+  const auto q_st = storage_of(in.q.scalar_type(), ct), g_st = storage_of(in.g.scalar_type(), ct),
+             b_st = storage_of(in.beta.scalar_type(), ct), v_st = storage_of(in.v.scalar_type(), ct);
+  const bool direct = q_st && g_st && b_st;
+  const bool conv_in = !direct;
   const bool conv_vo = in.v.scalar_type() != ct || o.scalar_type() != ct;
+  const bool widen_v = direct && v_st && *v_st != kernels::Storage::kCompute;
   const at::Tensor q_in = in.q.reshape({BT, d.H * d.K});
   const at::Tensor k_in = in.k.reshape({BT, d.H * d.K});
   const at::Tensor g_in = in.g.reshape({BT, d.HV * d.K});
   const at::Tensor b_in = in.beta.reshape({BT, d.HV});
-  const at::Tensor v_in = in.v.reshape({BT, d.HV * d.V});
+  at::Tensor v_in = in.v.reshape({BT, d.HV * d.V});
   at::Tensor q_c, k_c, g_c, b_c, v_c;  // compute-dtype inputs read by the kernels
   at::Tensor q_w, k_w, g_w, b_w, v_w, o_w;  // block buffers of the conversions
   if (conv_in) {
@@ -330,6 +345,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
     q_c = q_in.contiguous(), k_c = k_in.contiguous(), g_c = g_in.contiguous();
     b_c = b_in.contiguous();
   }
+  if (widen_v) v_in = v_in.contiguous();
   if (conv_vo) {
     v_w = at::empty({nb, d.HV * d.V}, opts);
     o_w = at::empty({nb, d.HV * d.V}, opts);
@@ -349,10 +365,29 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   const at::Tensor ws_b = at::empty({d.HV, nb}, opts);
 
   kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, nb);
-  P.q = q_c.data_ptr<T>();
-  P.k = k_c.data_ptr<T>();
-  P.g = g_c.data_ptr<T>();
-  P.beta = b_c.data_ptr<T>();
+  // Each input through its typed pointer: T, or 16-bit (Storage).
+  auto in_ptr = [&](const at::Tensor& t, kernels::Storage st, const T*& p32, const uint16_t*& p16) {
+    if (st == kernels::Storage::kCompute) {
+      p32 = t.data_ptr<T>();
+    } else {
+      p16 = static_cast<const uint16_t*>(t.data_ptr());
+    }
+  };
+  if (direct) {
+    P.q_store = *q_st;
+    P.g_store = *g_st;
+    P.beta_store = *b_st;
+  }
+  in_ptr(q_c, P.q_store, P.q, P.q16);
+  in_ptr(k_c, P.q_store, P.k, P.k16);
+  in_ptr(g_c, P.g_store, P.g, P.g16);
+  in_ptr(b_c, P.beta_store, P.beta, P.beta16);
+  if (widen_v) {
+    P.v_store = *v_st;
+    P.v16 = static_cast<const uint16_t*>(v_in.data_ptr());
+    P.v_out = v_w.data_ptr<T>();
+    P.VW = d.HV * d.V;
+  }
   P.expA = expA.defined() ? expA.data_ptr<T>() : nullptr;
   P.dt_bias = bias.defined() ? bias.data_ptr<T>() : nullptr;
   P.q_out = ws_q.data_ptr<T>();
@@ -397,7 +432,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
       used += re[n] - rs[n];
     }
     loc[d.N] = used;
-    if (conv_in || conv_vo) {
+    if (conv_in || (conv_vo && !widen_v)) {
       for (int64_t n = 0; n < d.N; ++n) {
         const int64_t len = re[n] - rs[n];
         if (len == 0) continue;
@@ -407,7 +442,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
           g_w.narrow(0, loc[n], len).copy_(g_in.narrow(0, rs[n], len));
           b_w.narrow(0, loc[n], len).copy_(b_in.narrow(0, rs[n], len));
         }
-        if (conv_vo) v_w.narrow(0, loc[n], len).copy_(v_in.narrow(0, rs[n], len));
+        if (conv_vo && !widen_v) v_w.narrow(0, loc[n], len).copy_(v_in.narrow(0, rs[n], len));
       }
     }
     // Pre-processing of the block's rows; values outside the domain are reported before the

@@ -14,6 +14,10 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #define KDA_STR2(x) #x
 #define KDA_STR(x) KDA_STR2(x)
 #define KDA_ISA_NAME KDA_STR(KDA_ISA)
@@ -422,6 +426,65 @@ inline vec_t<double> vsigmoid(vec_t<double> x) {
   return per_lane(x, [](double v) { return 1.0 / (1.0 + __builtin_exp(-v)); });
 }
 
+// 16-bit inputs widened to float as they are read (Storage): bf16 is the top half of a float
+// (exact); fp16 through the F16C / AVX-512 conversion where the ISA has it (exact too).
+inline float widen1(uint16_t x, Storage st) {
+  if (st == Storage::kBf16) {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
+  _Float16 h;
+  std::memcpy(&h, &x, sizeof(h));
+  return static_cast<float>(h);
+}
+
+// m elements (m may exceed the lanes) of p widened into a float vector; the rest is zero.
+inline vec_t<float> widen(const uint16_t* p, int64_t m, Storage st) {
+  constexpr int64_t L = kLanes<float>;
+  vec_t<float> r{};
+  if (m < L) {
+    for (int64_t l = 0; l < m; ++l) r[l] = widen1(p[l], st);
+    return r;
+  }
+  if (st == Storage::kBf16) {
+    typedef uint16_t u16v __attribute__((vector_size(KDA_VEC_BYTES / 2)));
+    typedef int32_t i32v __attribute__((vector_size(KDA_VEC_BYTES)));
+    u16v h;
+    std::memcpy(&h, p, sizeof(h));
+    const i32v w = __builtin_convertvector(h, i32v) << 16;
+    std::memcpy(&r, &w, sizeof(r));
+    return r;
+  }
+#if defined(__AVX512F__) && KDA_VEC_BYTES == 64
+  const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&r, &x, sizeof(r));
+#elif defined(__F16C__) && KDA_VEC_BYTES == 32
+  const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&r, &x, sizeof(r));
+#else
+  for (int64_t l = 0; l < L; ++l) r[l] = widen1(p[l], st);
+#endif
+  return r;
+}
+
+// Elements [off, off + m) of an input stored as st (the compute-type or the 16-bit array).
+template <typename T>
+inline vec_t<T> load_in(const T* p, const uint16_t* p16, Storage st, int64_t off, int64_t m) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (st != Storage::kCompute) return widen(p16 + off, m, st);
+  }
+  return load_cols(p + off, m);
+}
+template <typename T>
+inline T load1_in(const T* p, const uint16_t* p16, Storage st, int64_t off) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (st != Storage::kCompute) return widen1(p16[off], st);
+  }
+  return p[off];
+}
+
 template <typename T>
 PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
   using V = vec_t<T>;
@@ -437,29 +500,32 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
     // q, k: l2 norm (optional) and scale.
     for (int which = 0; which < 2; ++which) {
       const T* src = which == 0 ? P.q : P.k;
+      const uint16_t* src16 = which == 0 ? P.q16 : P.k16;
       T* dst = which == 0 ? P.q_out : P.k_out;
       T* rn_out = which == 0 ? P.q_rnorm : P.k_rnorm;
       const T mult = which == 0 ? P.scale : T(1);
       for (int64_t h = 0; h < H; ++h) {
-        const T* x = src + (ti * H + h) * K;
+        const int64_t x0 = (ti * H + h) * K;
         T* y = dst + (h * BT + to) * K;
         T f = mult;
         if (P.l2norm) {
           V acc{};
           for (int64_t i = 0; i < K; i += L) {
-            const V xv = load_cols(x + i, K - i);
+            const V xv = load_in(src, src16, P.q_store, x0 + i, K - i);
             acc += xv * xv;
           }
           const T rn = T(1) / s_sqrt(hsum<T>(acc) + T(1e-6));
           if (rn_out) rn_out[to * H + h] = rn;
           f = rn * mult;
         }
-        for (int64_t i = 0; i < K; i += L) store_cols(y + i, load_cols(x + i, K - i) * f, K - i);
+        for (int64_t i = 0; i < K; i += L) {
+          store_cols(y + i, load_in(src, src16, P.q_store, x0 + i, K - i) * f, K - i);
+        }
       }
     }
     // gate and decay
     for (int64_t hv = 0; hv < HV; ++hv) {
-      const T* gr = P.g + (ti * HV + hv) * K;
+      const int64_t g0 = (ti * HV + hv) * K;
       const T* bias = P.dt_bias ? P.dt_bias + hv * K : nullptr;
       T* a = P.a_out + (hv * BT + to) * K;
       T* ak = P.ak_out + (hv * BT + to) * K;
@@ -471,7 +537,7 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       const bool rate_inf = P.expA && __builtin_isinf(P.expA[hv]);
       for (int64_t i = 0; i < K; i += L) {
         const int64_t m = K - i;
-        V gl = load_cols(gr + i, m);
+        V gl = load_in(P.g, P.g16, P.g_store, g0 + i, m);
         if (P.gate != GateMode::kNone) {
           V z = gl;
           if (bias) z += load_cols(bias + i, m);
@@ -500,7 +566,7 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
     }
     // beta
     for (int64_t hv = 0; hv < HV; ++hv) {
-      T b = P.beta[ti * HV + hv];
+      T b = load1_in(P.beta, P.beta16, P.beta_store, ti * HV + hv);
       if (P.beta_sigmoid) {
         b = P.beta_mult * (T(1) / (T(1) + s_exp(-b)));
       } else if ((b < T(0) || b > T(2)) && rep.bad_beta < 0) {
@@ -508,14 +574,22 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       }
       P.beta_out[hv * BT + to] = b;
     }
+    // v (16-bit, forward blocks): widened into the block's compute-type rows.
+    if (P.v16) {
+      const uint16_t* vs = P.v16 + ti * P.VW;
+      T* vd = P.v_out + to * P.VW;
+      for (int64_t i = 0; i < P.VW; i += L) {
+        store_cols(vd + i, load_in<T>(nullptr, vs, P.v_store, i, P.VW - i), P.VW - i);
+      }
+    }
   }
   bool any_g = false;
   for (int64_t l = 0; l < L; ++l) any_g = any_g || g_pos[l] != 0;
   if (any_g) {
     const int64_t n = (t1 - t0) * HV * K;
-    const T* g0 = P.g + (t0 - P.in_shift) * HV * K;  // rows of tokens [t0, t1) are consecutive
+    const int64_t g0 = (t0 - P.in_shift) * HV * K;  // rows of tokens [t0, t1) are consecutive
     for (int64_t j = 0; j < n; ++j) {
-      if (g0[j] > T(0)) {
+      if (load1_in(P.g, P.g16, P.g_store, g0 + j) > T(0)) {
         rep.bad_g = t0 * HV * K + j;
         break;
       }

@@ -84,6 +84,9 @@ struct BwdArgs : RecurrenceInputs<T> {
 // Per-token pre-processing (docs/math.md "Gates"): l2 norm and
 // scale of q/k, gate and decay, sigmoid beta, fused in one pass over the tokens.
 enum class GateMode : int { kNone = 0, kSoftplus = 1, kBounded = 2 };
+// How an input array is stored: in the compute type T, or as 16-bit floats that the pass widens
+// to float as it reads them (half the bytes of a converted copy, and no separate pass).
+enum class Storage : int { kCompute = 0, kBf16 = 1, kF16 = 2 };
 
 template <typename T>
 struct PrepArgs {
@@ -92,6 +95,16 @@ struct PrepArgs {
   const T* k = nullptr;        // [BT, H, K] raw
   const T* g = nullptr;        // [BT, HV, K] log decay, or raw gate input
   const T* beta = nullptr;     // [BT, HV] strength or logits
+  // 16-bit inputs (T = float only): with a Storage other than kCompute the array is read from
+  // the 16-bit pointer instead (q and k share q_store).
+  Storage q_store = Storage::kCompute, g_store = Storage::kCompute,
+          beta_store = Storage::kCompute, v_store = Storage::kCompute;
+  const uint16_t *q16 = nullptr, *k16 = nullptr, *g16 = nullptr, *beta16 = nullptr;
+  // v widened into v_out [BT, HV * V] at the output row (forward token blocks, 16-bit v), or
+  // v16 == null: no v in this pass.
+  const uint16_t* v16 = nullptr;
+  T* v_out = nullptr;
+  int64_t VW = 0;              // HV * V
   const T* expA = nullptr;     // [HV] exp(A_log), or null (bounded gate without A_log)
   const T* dt_bias = nullptr;  // [HV * K] or null
   // Token t is read at row t - in_shift of q, k, g, beta and written at t - out_shift of the

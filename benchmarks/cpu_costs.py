@@ -53,10 +53,16 @@ def _case(shape: benchmark.Shape, dtype: torch.dtype, mode: str):
                 torch_kda.fused_recurrent_kda(*args, **kw)
         return call
     ins = list(t.values())
+    # Cotangents as a loss would give them (dense, fresh values; not the expanded ones of .sum()).
+    with torch.no_grad():
+        o, s = torch_kda.fused_recurrent_kda(*args, **kw)
+    gen = torch.Generator().manual_seed(1)
+    d_o = torch.randn(o.shape, generator=gen).to(o.dtype)
+    d_s = torch.randn(s.shape, generator=gen).to(s.dtype)
 
     def call_bwd():
         o, s = torch_kda.fused_recurrent_kda(*args, **kw)
-        torch.autograd.grad(o.float().sum() + s.sum(), ins)
+        torch.autograd.grad((o, s), ins, (d_o, d_s))
     return call_bwd
 
 

@@ -10,6 +10,7 @@
 // K x W slice of the state (W <= 32 floats: 16 KB at K = 128, resident in L1 for all T) and never
 // allocates: its scratch comes from the driver, one per thread, reused by all its units.
 #include "cpu/kernels/recurrent_kernels.h"
+#include "cpu/kernels/vec_math.h"
 
 #include <cstring>
 #include <type_traits>
@@ -333,108 +334,10 @@ inline double s_sqrt(double x) { return __builtin_sqrt(x); }
 inline float s_exp(float x) { return __builtin_expf(x); }
 inline double s_exp(double x) { return __builtin_exp(x); }
 
-// Elementwise math on vectors. float: vectorised exp/log (about 1 ulp), so the pre-processing
-// is not dominated by scalar libm calls; double: libm per lane (exact to the last bits).
-inline vec_t<float> vexp(vec_t<float> x) {
-  typedef int32_t vi __attribute__((vector_size(KDA_VEC_BYTES)));
-  const vec_t<float> lo = splat<float>(-87.33654f), hi = splat<float>(88.72283f);
-  const vec_t<float> xc = x < lo ? lo : (x > hi ? hi : x);
-  // n = round(x / ln 2) by the 1.5 * 2^23 trick; r = x - n ln 2 in two parts.
-  const vec_t<float> magic = splat<float>(12582912.0f);
-  const vec_t<float> t = xc * splat<float>(1.44269504088896341f) + magic;
-  const vec_t<float> n = t - magic;
-  vec_t<float> r = xc - n * splat<float>(0.693359375f);
-  r = r - n * splat<float>(-2.12194440e-4f);
-  vec_t<float> p = splat<float>(1.0f / 720);
-  p = p * r + splat<float>(1.0f / 120);
-  p = p * r + splat<float>(1.0f / 24);
-  p = p * r + splat<float>(1.0f / 6);
-  p = p * r + splat<float>(0.5f);
-  p = p * r + splat<float>(1.0f);
-  p = p * r + splat<float>(1.0f);
-  vi ti;
-  std::memcpy(&ti, &t, sizeof(ti));
-  vi mi;
-  std::memcpy(&mi, &magic, sizeof(mi));
-  const vi bits = ((ti - mi) + 127) << 23;  // 2^n
-  vec_t<float> two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  vec_t<float> res = p * two_n;
-  const vec_t<float> zero{};
-  const vec_t<float> inf = splat<float>(__builtin_huge_valf());
-  res = x < lo ? zero : res;
-  res = x > hi ? inf : res;
-  res = x != x ? x : res;  // NaN propagates
-  return res;
-}
-
-// log(u) for u > 0 finite (u in [1, 2] here).
-inline vec_t<float> vlog(vec_t<float> u) {
-  typedef int32_t vi __attribute__((vector_size(KDA_VEC_BYTES)));
-  vi bits;
-  std::memcpy(&bits, &u, sizeof(bits));
-  vi e = ((bits >> 23) & 0xff) - 127;
-  const vi mbits = (bits & 0x7fffff) | 0x3f800000;
-  vec_t<float> m;
-  std::memcpy(&m, &mbits, sizeof(m));
-  const vec_t<float> sqrt2 = splat<float>(1.41421356f);
-  const auto big = m > sqrt2;
-  m = big ? m * 0.5f : m;
-  e = big ? e + 1 : e;
-  const vec_t<float> f = m - 1.0f;
-  const vec_t<float> sv = f / (f + 2.0f);
-  const vec_t<float> s2 = sv * sv;
-  vec_t<float> p = splat<float>(1.0f / 9);
-  p = p * s2 + splat<float>(1.0f / 7);
-  p = p * s2 + splat<float>(1.0f / 5);
-  p = p * s2 + splat<float>(1.0f / 3);
-  p = p * s2 + splat<float>(1.0f);
-  const vec_t<float> ef = __builtin_convertvector(e, vec_t<float>);
-  return ef * splat<float>(0.693147180559945309f) + 2.0f * sv * p;
-}
-
-// log(1 + y) for y in [0, 1]: log(u) * y / (u - 1), u = 1 + y (exact at the rounding of u).
-inline vec_t<float> vlog1p01(vec_t<float> y) {
-  const vec_t<float> u = y + 1.0f;
-  const vec_t<float> d = u - 1.0f;
-  const vec_t<float> one = splat<float>(1.0f);
-  const vec_t<float> ratio = y / (d == 0.0f ? one : d);
-  return d == 0.0f ? y : vlog(u) * ratio;
-}
-
-inline vec_t<float> vsoftplus(vec_t<float> z) {
-  const vec_t<float> zero{};
-  const vec_t<float> az = z < zero ? -z : z;
-  const vec_t<float> r = (z > zero ? z : zero) + vlog1p01(vexp(-az));
-  return z > 20.0f ? z : r;
-}
-
-inline vec_t<float> vsigmoid(vec_t<float> z) { return 1.0f / (1.0f + vexp(-z)); }
-
-template <typename F>
-inline vec_t<double> per_lane(vec_t<double> x, F f) {
-  for (int l = 0; l < kLanes<double>; ++l) x[l] = f(x[l]);
-  return x;
-}
-inline vec_t<double> vexp(vec_t<double> x) {
-  return per_lane(x, [](double v) { return __builtin_exp(v); });
-}
-inline vec_t<double> vsoftplus(vec_t<double> x) {
-  return per_lane(x, [](double v) { return v > 20.0 ? v : __builtin_log1p(__builtin_exp(v)); });
-}
-inline vec_t<double> vsigmoid(vec_t<double> x) {
-  return per_lane(x, [](double v) { return 1.0 / (1.0 + __builtin_exp(-v)); });
-}
-
 // 16-bit inputs widened to float as they are read (Storage): bf16 is the top half of a float
 // (exact); fp16 through the F16C / AVX-512 conversion where the ISA has it (exact too).
 inline float widen1(uint16_t x, Storage st) {
-  if (st == Storage::kBf16) {
-    const uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-  }
+  if (st == Storage::kBf16) return bf16_to_float(x);
   _Float16 h;
   std::memcpy(&h, &x, sizeof(h));
   return static_cast<float>(h);

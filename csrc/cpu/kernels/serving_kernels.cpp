@@ -12,6 +12,7 @@
 // o = q^T S_new = q^T (Diag(a) S) + (q . k) u, so the output needs no third pass. Sums run in a
 // fixed order independent of the split into units: results do not depend on the thread count.
 #include "cpu/kernels/serving_kernels.h"
+#include "cpu/kernels/vec_math.h"
 
 #include <cstdint>
 #include <cstdlib>
@@ -75,13 +76,6 @@ inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 template <typename T>
 inline vec<T> splat(T x) {
   return x - vec<T>{};
-}
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
 }
 
 // Round to nearest even; NaN stays a (quiet) NaN.
@@ -200,87 +194,7 @@ inline T hsum(const vec<T>& x) {
   return b[0];
 }
 
-// ---- elementwise math for the pre-processing (float: vectorised; double: libm per lane) --------
-// exp: Cephes-style range reduction x = n ln2 + r and a degree-6 polynomial (about 1 ulp).
-inline vec<float> vexp(vec<float> x) {
-  typedef Vec<float>::itype vi;
-  const vec<float> xc = x < -87.5f ? splat(-87.5f) : (x > 88.0f ? splat(88.0f) : x);
-  const vec<float> t = xc * 1.44269504088896341f + 0.5f;
-  vi n = __builtin_convertvector(t, vi);
-  n -= (__builtin_convertvector(n, vec<float>) > t) ? vi{} + 1 : vi{};  // floor
-  const vec<float> nf = __builtin_convertvector(n, vec<float>);
-  const vec<float> r = xc - nf * 0.693359375f + nf * 2.12194440e-4f;
-  vec<float> p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const vec<float> y = p * r * r + r + 1.0f;
-  const vi bits = (n + 127) << 23;
-  vec<float> scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  vec<float> res = y * scale;
-  res = x < -87.5f ? splat(0.0f) : res;           // full underflow, as exp does in fp32
-  res = x > 88.75f ? splat(__builtin_inff()) : res;
-  return x != x ? x : res;                          // NaN propagates
-}
-
-// log for u in [1, 2] (softplus only needs log(1 + y), y in (0, 1]): Cephes logf polynomial.
-inline vec<float> vlog_1_2(vec<float> u) {
-  typedef Vec<float>::itype vi;
-  vi bits;
-  std::memcpy(&bits, &u, sizeof(bits));
-  vi e = ((bits >> 23) & 0xff) - 126;
-  vi mb = (bits & 0x7fffff) | 0x3f000000;  // mantissa in [0.5, 1)
-  vec<float> m;
-  std::memcpy(&m, &mb, sizeof(m));
-  const auto small = m < 0.707106781186547524f;
-  e = small ? e - 1 : e;
-  vec<float> x = small ? m + m - 1.0f : m - 1.0f;
-  const vec<float> z = x * x;
-  vec<float> y = splat(7.0376836292e-2f);
-  y = y * x - 1.1514610310e-1f;
-  y = y * x + 1.1676998740e-1f;
-  y = y * x - 1.2420140846e-1f;
-  y = y * x + 1.4249322787e-1f;
-  y = y * x - 1.6668057665e-1f;
-  y = y * x + 2.0000714765e-1f;
-  y = y * x - 2.4999993993e-1f;
-  y = y * x + 3.3333331174e-1f;
-  y = y * x * z;
-  const vec<float> ef = __builtin_convertvector(e, vec<float>);
-  y += ef * -2.12194440e-4f;
-  y += z * -0.5f;
-  x = x + y;
-  return x + ef * 0.693359375f;
-}
-
-// softplus(z) = max(z, 0) + log1p(exp(-|z|)); z > 20 gives z (the reference's threshold).
-inline vec<float> vsoftplus(vec<float> z) {
-  const vec<float> az = z < 0.0f ? -z : z;
-  const vec<float> y = vexp(-az);
-  const vec<float> w = 1.0f + y;
-  // log1p(y) = log(w) - ((w - 1) - y) / w  (corrects the rounding of 1 + y)
-  const vec<float> l1p = vlog_1_2(w) - ((w - 1.0f) - y) / w;
-  const vec<float> s = (z > 0.0f ? z : splat(0.0f)) + l1p;
-  return z > 20.0f ? z : s;
-}
-
-inline vec<float> vsigmoid(vec<float> z) { return 1.0f / (1.0f + vexp(-z)); }
-
-template <typename F>
-inline vec<double> per_lane(vec<double> x, F f) {
-  for (int64_t l = 0; l < kL<double>; ++l) x[l] = f(x[l]);
-  return x;
-}
-inline vec<double> vexp(vec<double> x) { return per_lane(x, [](double t) { return __builtin_exp(t); }); }
-inline vec<double> vsoftplus(vec<double> x) {
-  return per_lane(x, [](double t) { return t > 20.0 ? t : __builtin_log1p(__builtin_exp(t)); });
-}
-inline vec<double> vsigmoid(vec<double> x) {
-  return per_lane(x, [](double t) { return 1.0 / (1.0 + __builtin_exp(-t)); });
-}
+// Elementwise math of the pre-processing: vec_math.h (shared with recurrent_kernels.cpp).
 
 // ---- per-token pre-processing of one (token, value head) ---------------------------------------
 template <typename T>

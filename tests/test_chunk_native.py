@@ -95,10 +95,14 @@ def _strong_decay_problem(kind, seed=31):
         g[:, 3] = -60.0
         g[:, 66] = -80.0
         g[:, 130] = -1e3
+    elif kind == "block_split":  # 16-token blocks too strong for the factored form, halves not
+        g = g * 0.2 - 6.0         # ~ -6 per step: 16 tokens ~ e^-96, 8 tokens ~ e^-48
+        g[:, 40:60] = -40.0        # halves and quarters too strong: down to pairs
+        g[:, 100:110, :, ::2] = -25.0
     return type(p)(p.q, p.k, p.v, g, p.beta, p.kwargs)
 
 
-@pytest.mark.parametrize("kind", ["strong", "inf", "strong_then_weak"])
+@pytest.mark.parametrize("kind", ["strong", "inf", "strong_then_weak", "block_split"])
 def test_strong_and_infinite_decays_stay_accurate_in_float32(kind):
     p = _strong_decay_problem(kind)
     o_or, s_or = oracle_kda(*p.args, **p.kwargs)

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>
@@ -186,55 +187,81 @@ constexpr T kMinBlockDecay = T(8.75651076e-27);  // e^-60
 template <>
 constexpr double kMinBlockDecay<double> = 2.6503965530043108e-261;  // e^-600
 
+namespace {
+
+// Rows [r0, r1) of A0 and M against the columns [c0, r0) before them, with the reference token
+// r = r0 - 1: row factors a_r0 ... a_i (interleaved rows k_i . Rf_i, q_i . Rf_i in lq), column
+// factors a_{j+1} ... a_r (k_j . Cf_j in kr, transposed into krT), one GEMM into am.
 template <typename T>
-KDA_CLONES void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
-  const int64_t n = c.n, K = c.K;
-  const int64_t nb = (n + kSub - 1) / kSub;
-  const int64_t ncol = nb * kSub;  // columns the later products read (zero past n)
-  for (int64_t i = 0; i < n; ++i) {
-    std::fill(w.am + 2 * i * kC, w.am + 2 * i * kC + ncol, T(0));
-    std::fill(w.am + (2 * i + 1) * kC, w.am + (2 * i + 1) * kC + ncol, T(0));
-  }
+inline void offdiag_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t r0, int64_t r1,
+                          int64_t c0) {
+  const int64_t K = c.K;
   T* __restrict run = w.w;
-  for (int64_t I = 0; I < nb; ++I) {
-    const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub), rows = b1 - b0;
-    // Row factors Rf_i = a_b0 ... a_i (i in the block), as interleaved rows k_i . Rf_i and
-    // q_i . Rf_i (one GEMM then writes the rows of A0 and M, which am interleaves too).
-    for (int64_t d = 0; d < K; ++d) run[d] = T(1);
-    for (int64_t i = b0; i < b1; ++i) {
-      const T* __restrict a = c.a + i * K;
-      const T* __restrict k = c.k + i * K;
-      const T* __restrict q = c.q + i * K;
-      T* __restrict lk = w.lq + 2 * (i - b0) * K;
-      T* __restrict lqq = lk + K;
-      for (int64_t d = 0; d < K; ++d) {
-        run[d] *= a[d];
-        lk[d] = k[d] * run[d];
-        lqq[d] = q[d] * run[d];
-      }
+  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
+  for (int64_t i = r0; i < r1; ++i) {
+    const T* __restrict a = c.a + i * K;
+    const T* __restrict k = c.k + i * K;
+    const T* __restrict q = c.q + i * K;
+    T* __restrict lk = w.lq + 2 * (i - r0) * K;
+    T* __restrict lqq = lk + K;
+    for (int64_t d = 0; d < K; ++d) {
+      run[d] *= a[d];
+      lk[d] = k[d] * run[d];
+      lqq[d] = q[d] * run[d];
     }
-    // The block's own columns in factored form, k_j / Rf_j, where every Rf_j >= kMinBlockDecay
-    // (Rf decreases along the block: the last row is the smallest).
-    T least = T(1);
-    for (int64_t d = 0; d < K; ++d) least = std::min(least, run[d]);
-    const bool factored = least >= kMinBlockDecay<T>;
-    // Column rows in kr (token-major), then transposed into krT for the GEMM.
-    if (factored) {
-      for (int64_t d = 0; d < K; ++d) run[d] = T(1);
-      for (int64_t j = b0; j < b1; ++j) {
-        const T* __restrict a = c.a + j * K;
-        const T* __restrict k = c.k + j * K;
-        T* __restrict kr = w.kr + j * K;
-        for (int64_t d = 0; d < K; ++d) {
-          run[d] *= a[d];
-          kr[d] = k[d] / run[d];
-        }
-      }
+  }
+  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
+  for (int64_t j = r0 - 1; j >= c0; --j) {
+    const T* __restrict k = c.k + j * K;
+    const T* __restrict a = c.a + j * K;
+    T* __restrict kr = w.kr + j * K;
+    for (int64_t d = 0; d < K; ++d) {
+      kr[d] = k[d] * run[d];
+      run[d] *= a[d];
     }
-    // Columns before the block: Cf_j = a_{j+1} ... a_{b0-1} (the reference token r = b0 - 1):
-    // k_j . Cf_j. Both factors <= 1.
+  }
+  transpose(w.kr + c0 * K, r0 - c0, K, K, w.krT, kC);
+  gemm(2 * (r1 - r0), r0 - c0, K, w.lq, K, w.krT, kC, w.am + 2 * r0 * kC + c0, kC, false);
+}
+
+// The causal pairs j <= i inside [lo, hi) (a diagonal block or part of one) in factored form,
+// when the block's total decay keeps every Rf_j = a_lo ... a_j >= kMinBlockDecay: rows
+// k_i . Rf_i, q_i . Rf_i against columns k_j / Rf_j (exp(G_i - G_j) = Rf_i / Rf_j), one GEMM;
+// with with_left the columns [0, lo) before the block join the same GEMM (the off-diagonal
+// factors of offdiag_block, reference lo - 1). Returns false (nothing written) when the block's
+// decay is too strong.
+template <typename T>
+inline bool factored_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64_t hi,
+                           bool with_left) {
+  const int64_t K = c.K;
+  T* __restrict run = w.w;
+  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
+  for (int64_t i = lo; i < hi; ++i) {
+    const T* __restrict a = c.a + i * K;
+    for (int64_t d = 0; d < K; ++d) run[d] *= a[d];
+  }
+  T least = T(1);
+  for (int64_t d = 0; d < K; ++d) least = std::min(least, run[d]);
+  if (!(least >= kMinBlockDecay<T>)) return false;
+  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
+  for (int64_t i = lo; i < hi; ++i) {
+    const T* __restrict a = c.a + i * K;
+    const T* __restrict k = c.k + i * K;
+    const T* __restrict q = c.q + i * K;
+    T* __restrict lk = w.lq + 2 * (i - lo) * K;
+    T* __restrict lqq = lk + K;
+    T* __restrict kr = w.kr + i * K;
+    for (int64_t d = 0; d < K; ++d) {
+      run[d] *= a[d];
+      lk[d] = k[d] * run[d];
+      lqq[d] = q[d] * run[d];
+      kr[d] = k[d] / run[d];
+    }
+  }
+  const int64_t c0 = with_left ? 0 : lo;
+  if (with_left) {
     for (int64_t d = 0; d < K; ++d) run[d] = T(1);
-    for (int64_t j = b0 - 1; j >= 0; --j) {
+    for (int64_t j = lo - 1; j >= 0; --j) {
       const T* __restrict k = c.k + j * K;
       const T* __restrict a = c.a + j * K;
       T* __restrict kr = w.kr + j * K;
@@ -243,37 +270,74 @@ KDA_CLONES void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
         run[d] *= a[d];
       }
     }
-    const int64_t cols = factored ? b1 : b0;
-    if (cols > 0) {
-      transpose(w.kr, cols, K, K, w.krT, kC);
-      gemm(2 * rows, cols, K, w.lq, K, w.krT, kC, w.am + 2 * b0 * kC, kC, false);
+  }
+  transpose(w.kr + c0 * K, hi - c0, K, K, w.krT, kC);
+  gemm(2 * (hi - lo), hi - c0, K, w.lq, K, w.krT, kC, w.am + 2 * lo * kC + c0, kC, false);
+  // Keep the causal part: A0 strictly lower, M lower.
+  for (int64_t i = lo; i < hi; ++i) {
+    std::fill(w.am + 2 * i * kC + i, w.am + 2 * i * kC + hi, T(0));
+    std::fill(w.am + (2 * i + 1) * kC + i + 1, w.am + (2 * i + 1) * kC + hi, T(0));
+  }
+  return true;
+}
+
+// Direct form of the pairs inside [lo, hi): for each column token j a running product over the
+// tokens after it, p = k_j . a_{j+1} ... a_i, gives A0_ij = k_i . p and M_ij = q_i . p.
+template <typename T>
+inline void direct_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64_t hi) {
+  const int64_t K = c.K;
+  T* __restrict p = w.w;
+  for (int64_t j = lo; j < hi; ++j) {
+    const T* kj = c.k + j * K;
+    for (int64_t d = 0; d < K; ++d) p[d] = kj[d];
+    T unused, mjj;
+    dot2(c.q + j * K, c.q + j * K, p, K, mjj, unused);
+    w.am[(2 * j + 1) * kC + j] = mjj;
+    for (int64_t i = j + 1; i < hi; ++i) {
+      const T* __restrict ai = c.a + i * K;
+      for (int64_t d = 0; d < K; ++d) p[d] *= ai[d];
+      T aij, mij;
+      dot2(c.k + i * K, c.q + i * K, p, K, aij, mij);
+      w.am[2 * i * kC + j] = aij;
+      w.am[(2 * i + 1) * kC + j] = mij;
     }
-    if (factored) {
-      // Keep the causal part of the diagonal block: A0 strictly lower, M lower.
-      for (int64_t i = b0; i < b1; ++i) {
-        std::fill(w.am + 2 * i * kC + i, w.am + 2 * i * kC + b1, T(0));
-        std::fill(w.am + (2 * i + 1) * kC + i + 1, w.am + (2 * i + 1) * kC + b1, T(0));
-      }
-    } else {
-      // Direct form: for each column token j, a running product over the tokens after it,
-      // p = k_j . a_{j+1} ... a_i, gives A0_ij = k_i . p and M_ij = q_i . p.
-      T* __restrict p = w.w;
-      for (int64_t j = b0; j < b1; ++j) {
-        const T* kj = c.k + j * K;
-        for (int64_t d = 0; d < K; ++d) p[d] = kj[d];
-        T unused, mjj;
-        dot2(c.q + j * K, c.q + j * K, p, K, mjj, unused);
-        w.am[(2 * j + 1) * kC + j] = mjj;
-        for (int64_t i = j + 1; i < b1; ++i) {
-          const T* __restrict ai = c.a + i * K;
-          for (int64_t d = 0; d < K; ++d) p[d] *= ai[d];
-          T aij, mij;
-          dot2(c.k + i * K, c.q + i * K, p, K, aij, mij);
-          w.am[2 * i * kC + j] = aij;
-          w.am[(2 * i + 1) * kC + j] = mij;
-        }
-      }
-    }
+  }
+}
+
+// A diagonal block [lo, hi) whose factored form failed: halves, the lower-left quadrant as an
+// off-diagonal block (factors <= 1), each half factored if its own decay allows, else split
+// again; two tokens or fewer take the direct form.
+template <typename T>
+void split_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64_t hi) {
+  if (hi - lo <= 2) {
+    direct_block(c, w, lo, hi);
+    return;
+  }
+  const int64_t mid = lo + (hi - lo) / 2;
+  offdiag_block(c, w, mid, hi, lo);
+  for (const auto& h : {std::make_pair(lo, mid), std::make_pair(mid, hi)}) {
+    if (!factored_block(c, w, h.first, h.second, false)) split_block(c, w, h.first, h.second);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+KDA_CLONES void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
+  const int64_t n = c.n;
+  const int64_t nb = (n + kSub - 1) / kSub;
+  const int64_t ncol = nb * kSub;  // columns the later products read (zero past n)
+  for (int64_t i = 0; i < n; ++i) {
+    std::fill(w.am + 2 * i * kC, w.am + 2 * i * kC + ncol, T(0));
+    std::fill(w.am + (2 * i + 1) * kC, w.am + (2 * i + 1) * kC + ncol, T(0));
+  }
+  for (int64_t I = 0; I < nb; ++I) {
+    const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub);
+    // Row block I: the columns before it and its diagonal block in one GEMM where the block's
+    // decay allows the factored form; else the columns before it, then the block split.
+    if (factored_block(c, w, b0, b1, /*with_left=*/b0 > 0)) continue;
+    if (b0 > 0) offdiag_block(c, w, b0, b1, 0);
+    split_block(c, w, b0, b1);
   }
   // na = -beta_i A0_ij (strictly lower).
   for (int64_t i = 0; i < n; ++i) {

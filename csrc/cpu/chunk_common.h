@@ -23,8 +23,10 @@
 // so A0[I, :b0] = (K_I . Rf) (K_{<b0} . Cf)^T is one GEMM with both factors <= 1. A diagonal
 // block joins that GEMM with the columns k_j / Rf_j (exp(G_i - G_j) = Rf_i / Rf_j) when the
 // block's total decay keeps 1 / Rf_j <= e^60 on every channel (finite, never subnormal: the
-// "provably safe" case); a block with a stronger decay takes the direct form, a running product
-// p = k_j . a_{j+1} ... a_i over the block.
+// "provably safe" case). A block with a stronger decay is split in halves: the lower-left
+// quadrant is an off-diagonal block (factors <= 1, reference = the last token of the first
+// half), each half is factored if its own decay allows, else split again; blocks of <= 2
+// tokens take the direct form, a running product p = k_j . a_{j+1} ... a_i.
 #pragma once
 
 #include <cstdint>

@@ -31,18 +31,8 @@ namespace {
 using chunk::kC;
 using chunk::kSub;
 
-constexpr int64_t kAlign = 16;  // elements: every part of the workspace starts 64-byte aligned
-inline int64_t up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-
-// The per-chunk backward is compiled for AVX-512 and AVX2+FMA besides the baseline, chosen at
-// load time (GCC/Clang function multi-versioning; chunk_common.cpp does the same for the forward
-// pieces); the GEMMs pick their own kernels. One machine always runs the same clone, so results
-// stay bitwise reproducible there.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__APPLE__)
-#define KDA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define KDA_CLONES
-#endif
+using chunk::kMinBlockDecay;
+using chunk::up;
 
 // dst[c, r] = src[r, c] for a rows x cols block (leading dimensions lds, ldd), in 8 x 8 tiles.
 template <typename T>
@@ -176,13 +166,6 @@ struct UnitArgs {
   T* dh0 = nullptr;         // [N, HV, K, V]
 };
 
-// Smallest total decay of a 16-token block for which the block's own pairs take the factored
-// form (column factors 1 / Rf_j <= e^60 in float, e^600 in double: products stay finite); the
-// forward (chunk_common.cpp) uses the same bounds.
-template <typename T>
-constexpr T kMinBlockDecay = T(8.75651076e-27);  // e^-60
-template <>
-constexpr double kMinBlockDecay<double> = 2.6503965530043108e-261;  // e^-600
 
 // The pairs j <= i of the diagonal block [b0, b1) in the direct form: exp(G_i - G_j) is the
 // running product a_{j+1}..a_i. Adds to dq and dk (with kWithQK) and to dgx: pair (i, j) reaches

@@ -59,19 +59,6 @@ void gemm_release() { at::native::cpublas::brgemm_release(/*is_vnni=*/false); }
 
 namespace {
 
-// The elementwise loops (decay products, factors, transposes) are compiled for AVX2+FMA and
-// AVX-512 besides the baseline, chosen at load time (GCC/Clang function multi-versioning); the
-// GEMMs pick their own kernels. One machine always runs the same clone: results stay bitwise
-// reproducible there.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__APPLE__)
-#define KDA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define KDA_CLONES
-#endif
-
-constexpr int64_t kAlign = 16;  // elements; parts of the workspace start at multiples of 64 bytes
-inline int64_t up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-
 // x . y and z . y over n channels, in a fixed order (8 partial sums, then a fixed tree): the
 // same bits whatever the thread. Written so the compiler can keep the partial sums in vectors.
 template <typename T>
@@ -178,14 +165,6 @@ KDA_CLONES void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
   transpose(w.kr, n, K, K, w.kdecT, kC);
 }
 
-// Smallest product of a diagonal block's decays for which the factored form of that block is
-// used (docs/math.md, "Chunkwise form"): its column factors 1 / Rf_j are then at most e^60
-// (float) / e^600 (double), finite with room to spare for sums of K products, and no factor
-// is subnormal. Blocks with a stronger total decay take the direct form.
-template <typename T>
-constexpr T kMinBlockDecay = T(8.75651076e-27);  // e^-60
-template <>
-constexpr double kMinBlockDecay<double> = 2.6503965530043108e-261;  // e^-600
 
 namespace {
 

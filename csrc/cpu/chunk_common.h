@@ -42,6 +42,29 @@ namespace chunk {
 constexpr int64_t kC = kernels::kChunk;
 constexpr int64_t kSub = 16;
 
+// Workspace parts start at multiples of kAlign elements (64 bytes for float).
+constexpr int64_t kAlign = 16;
+inline int64_t up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Smallest product of a diagonal block's decays for which that block's own pairs take the
+// factored form, in the forward and the backward alike (docs/math.md, "Chunkwise form"): the
+// column factors 1 / Rf_j are then at most e^60 (float) / e^600 (double), finite with room to
+// spare for sums of K products, and no factor is subnormal. Stronger blocks are split.
+template <typename T>
+constexpr T kMinBlockDecay = T(8.75651076e-27);  // e^-60
+template <>
+constexpr double kMinBlockDecay<double> = 2.6503965530043108e-261;  // e^-600
+
+// The elementwise loops of the chunk code (decay products, factors, transposes, the backward's
+// pair loops) are compiled for AVX2+FMA and AVX-512 besides the baseline, chosen at load time
+// (GCC/Clang function multi-versioning); the GEMMs pick their own kernels. One machine always
+// runs the same clone, so results stay bitwise reproducible there.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__APPLE__)
+#define KDA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define KDA_CLONES
+#endif
+
 // C[M, N] = A[M, Kd] B[Kd, N] (+ C[M, N] when add), row-major with leading dimensions (elements).
 // float: ATen's cpublas::brgemm (oneDNN micro-kernels; fp32 products, fp32 accumulation);
 // double: a plain loop. Deterministic: the same shapes give the same bits on any thread.

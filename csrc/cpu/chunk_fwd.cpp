@@ -92,26 +92,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_fwd_cpu(const Inputs& in, const Config& cfg,
                                                               bool with_checkpoints) {
-  const Dims d = check_inputs(in, cfg, /*check_values=*/true);
-  const auto ct = compute_dtype(in.q);
-  const auto opts = in.q.options().dtype(ct);
-  const Sequences seqs = make_sequences(in, d);
-  const at::Tensor h0 = state_kv(in.initial_state, cfg, ct);
-
-  at::Tensor o = at::empty({d.B, d.T, d.HV, d.V}, in.q.options());
-  at::Tensor ht = at::empty({d.N, d.HV, d.K, d.V}, opts);
-  at::Tensor ckpt = with_checkpoints ? at::empty({d.n_slots, d.HV, d.K, d.V}, opts)
-                                     : at::empty({0}, opts);
-  advise_huge_pages(o);
-  advise_huge_pages(ht);
-  advise_huge_pages(ckpt);
-  if (ct == at::kDouble) {
-    run_chunks<double>(in, cfg, d, seqs, h0, o, ht, ckpt);
-  } else {
-    run_chunks<float>(in, cfg, d, seqs, h0, o, ht, ckpt);
-  }
-  if (cfg.state_v_first) ht = ht.transpose(-1, -2).contiguous();
-  return {o, ht, ckpt};
+  return run_forward(in, cfg, with_checkpoints, &run_chunks<float>, &run_chunks<double>);
 }
 
 }  // namespace detail

@@ -151,6 +151,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recurrent_fwd_cpu(const Inputs& i
                                                                   const Config& cfg,
                                                                   bool with_checkpoints);
 
+// The frame both CPU forwards share (csrc/cpu/recurrent_fwd.cpp): checks, outputs allocated once
+// (2 MB page advice), the runner of the compute dtype filling o, the final state ht
+// ([N, HV, K, V]) and the checkpoints, then the caller's state layout.
+template <typename T>
+using ForwardRunner = void (*)(const Inputs& in, const Config& cfg, const Dims& d,
+                               const Sequences& seqs, const at::Tensor& h0, const at::Tensor& o,
+                               const at::Tensor& ht, const at::Tensor& ckpt);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_forward(const Inputs& in, const Config& cfg,
+                                                           bool with_checkpoints,
+                                                           ForwardRunner<float> run_float,
+                                                           ForwardRunner<double> run_double);
+
 // The forward in token blocks (csrc/cpu/recurrent_fwd.cpp): block j of every sequence
 // (tokens [rs[n], re[n])) is converted and pre-processed into a small reused workspace (no
 // full-size pre-processed arrays), then run_block(A, rs, re, j) runs the block: A points at the

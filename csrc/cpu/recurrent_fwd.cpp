@@ -517,9 +517,10 @@ void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Seq
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> recurrent_fwd_cpu(const Inputs& in,
-                                                                  const Config& cfg,
-                                                                  bool with_checkpoints) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_forward(const Inputs& in, const Config& cfg,
+                                                           bool with_checkpoints,
+                                                           ForwardRunner<float> run_float,
+                                                           ForwardRunner<double> run_double) {
   const Dims d = check_inputs(in, cfg, /*check_values=*/true);
   const auto ct = compute_dtype(in.q);
   const auto opts = in.q.options().dtype(ct);
@@ -535,12 +536,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recurrent_fwd_cpu(const Inputs& i
   advise_huge_pages(ht);
   advise_huge_pages(ckpt);
   if (ct == at::kDouble) {
-    run_recurrent<double>(in, cfg, d, seqs, h0, o, ht, ckpt);
+    run_double(in, cfg, d, seqs, h0, o, ht, ckpt);
   } else {
-    run_recurrent<float>(in, cfg, d, seqs, h0, o, ht, ckpt);
+    run_float(in, cfg, d, seqs, h0, o, ht, ckpt);
   }
   if (cfg.state_v_first) ht = ht.transpose(-1, -2).contiguous();
   return {o, ht, ckpt};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> recurrent_fwd_cpu(const Inputs& in,
+                                                                  const Config& cfg,
+                                                                  bool with_checkpoints) {
+  return run_forward(in, cfg, with_checkpoints, &run_recurrent<float>, &run_recurrent<double>);
 }
 
 }  // namespace detail

@@ -42,26 +42,33 @@ Grads to_grads(const std::vector<at::Tensor>& r) {
   return {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]};
 }
 
-constexpr const char* kOp = "kda::fused_recurrent: ";
+// The message prefixes: every error names the op that was called (Config::op carries it into
+// the shared checks and the pre-processing pass).
+constexpr const char* kRec = "kda::fused_recurrent: ";
+constexpr const char* kRecFwd = "kda::fused_recurrent_fwd: ";
+constexpr const char* kRecBwd = "kda::fused_recurrent_bwd: ";
+constexpr const char* kChunk = "kda::chunk: ";
+constexpr const char* kChunkFwd = "kda::chunk_fwd: ";
+constexpr const char* kChunkBwd = "kda::chunk_bwd: ";
 
 bool is_float_dtype(at::ScalarType t) {
   return t == at::kDouble || t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
-void check_float(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(is_float_dtype(t.scalar_type()), kOp, name,
+void check_float(const char* op, const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(is_float_dtype(t.scalar_type()), op, name,
               " must be a floating tensor (float64, float32, bfloat16 or float16), got dtype ",
               t.scalar_type());
 }
 
-void check_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK_VALUE(t.device() == q.device(), kOp, name, " must be on the device of q (", q.device(),
+void check_device(const char* op, const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(t.device() == q.device(), op, name, " must be on the device of q (", q.device(),
               "), got ", t.device());
 }
 
-void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef expected,
+void check_shape(const char* op, const at::Tensor& t, const char* name, at::IntArrayRef expected,
                  const char* what) {
-  TORCH_CHECK_VALUE(t.sizes() == expected, kOp, name, " must have shape ", expected, " ", what,
+  TORCH_CHECK_VALUE(t.sizes() == expected, op, name, " must have shape ", expected, " ", what,
               ", got ", t.sizes());
 }
 
@@ -69,111 +76,112 @@ void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef expected
 
 Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
   const at::Tensor& q = in.q;
+  const char* op = cfg.op;
   TORCH_CHECK_TYPE(q.defined() && in.k.defined() && in.v.defined() && in.g.defined() &&
                   in.beta.defined(),
-              kOp, "q, k, v, g and beta must be defined tensors");
-  TORCH_CHECK_VALUE(q.dim() == 4, kOp, "q must be 4-D [B, T, H, K], got shape ", q.sizes());
+              op, "q, k, v, g and beta must be defined tensors");
+  TORCH_CHECK_VALUE(q.dim() == 4, op, "q must be 4-D [B, T, H, K], got shape ", q.sizes());
   TORCH_CHECK_TYPE(q.scalar_type() == at::kDouble || q.scalar_type() == at::kFloat ||
                   q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
-              kOp, "q must be float64, float32, bfloat16 or float16, got dtype ", q.scalar_type());
-  TORCH_CHECK_TYPE(in.k.scalar_type() == q.scalar_type(), kOp, "k must have the dtype of q (",
+              op, "q must be float64, float32, bfloat16 or float16, got dtype ", q.scalar_type());
+  TORCH_CHECK_TYPE(in.k.scalar_type() == q.scalar_type(), op, "k must have the dtype of q (",
               q.scalar_type(), "), got ", in.k.scalar_type());
-  TORCH_CHECK_TYPE(in.v.scalar_type() == q.scalar_type(), kOp, "v must have the dtype of q (",
+  TORCH_CHECK_TYPE(in.v.scalar_type() == q.scalar_type(), op, "v must have the dtype of q (",
               q.scalar_type(), "), got ", in.v.scalar_type());
-  check_float(in.g, "g");
-  check_float(in.beta, "beta");
+  check_float(op, in.g, "g");
+  check_float(op, in.beta, "beta");
 
   Dims d;
   d.B = q.size(0);
   d.T = q.size(1);
   d.H = q.size(2);
   d.K = q.size(3);
-  TORCH_CHECK_VALUE(d.H > 0, kOp, "q must have at least one head (H = q.size(2) > 0), got H = ", d.H);
-  TORCH_CHECK_VALUE(d.K > 0, kOp, "the key dimension K = q.size(3) must be > 0, got ", d.K);
-  check_shape(in.k, "k", q.sizes(), "(the shape of q, [B, T, H, K])");
-  TORCH_CHECK_VALUE(in.v.dim() == 4, kOp, "v must be 4-D [B, T, HV, V], got shape ", in.v.sizes());
-  TORCH_CHECK_VALUE(in.v.size(0) == d.B && in.v.size(1) == d.T, kOp,
+  TORCH_CHECK_VALUE(d.H > 0, op, "q must have at least one head (H = q.size(2) > 0), got H = ", d.H);
+  TORCH_CHECK_VALUE(d.K > 0, op, "the key dimension K = q.size(3) must be > 0, got ", d.K);
+  check_shape(op, in.k, "k", q.sizes(), "(the shape of q, [B, T, H, K])");
+  TORCH_CHECK_VALUE(in.v.dim() == 4, op, "v must be 4-D [B, T, HV, V], got shape ", in.v.sizes());
+  TORCH_CHECK_VALUE(in.v.size(0) == d.B && in.v.size(1) == d.T, op,
               "v must have shape [B, T, HV, V] with B = ", d.B, " and T = ", d.T,
               " (from q), got ", in.v.sizes());
   d.HV = in.v.size(2);
   d.V = in.v.size(3);
-  TORCH_CHECK_VALUE(d.HV > 0 && d.HV % d.H == 0, kOp,
+  TORCH_CHECK_VALUE(d.HV > 0 && d.HV % d.H == 0, op,
               "the number of value heads HV = v.size(2) must be a positive multiple of the "
               "number of q/k heads H = ",
               d.H, ", got HV = ", d.HV);
-  TORCH_CHECK_VALUE(d.V > 0, kOp, "the value dimension V = v.size(3) must be > 0, got ", d.V);
-  check_shape(in.g, "g", {d.B, d.T, d.HV, d.K}, "[B, T, HV, K]");
-  check_shape(in.beta, "beta", {d.B, d.T, d.HV}, "[B, T, HV]");
-  check_device(in.k, "k", q);
-  check_device(in.v, "v", q);
-  check_device(in.g, "g", q);
-  check_device(in.beta, "beta", q);
+  TORCH_CHECK_VALUE(d.V > 0, op, "the value dimension V = v.size(3) must be > 0, got ", d.V);
+  check_shape(op, in.g, "g", {d.B, d.T, d.HV, d.K}, "[B, T, HV, K]");
+  check_shape(op, in.beta, "beta", {d.B, d.T, d.HV}, "[B, T, HV]");
+  check_device(op, in.k, "k", q);
+  check_device(op, in.v, "v", q);
+  check_device(op, in.g, "g", q);
+  check_device(op, in.beta, "beta", q);
 
-  TORCH_CHECK_VALUE(std::isfinite(cfg.scale), kOp, "scale must be finite, got ", cfg.scale);
-  TORCH_CHECK_VALUE(!cfg.allow_neg_eigval || cfg.use_beta_sigmoid_in_kernel, kOp,
+  TORCH_CHECK_VALUE(std::isfinite(cfg.scale), op, "scale must be finite, got ", cfg.scale);
+  TORCH_CHECK_VALUE(!cfg.allow_neg_eigval || cfg.use_beta_sigmoid_in_kernel, op,
               "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True");
-  TORCH_CHECK_VALUE(cfg.use_gate_in_kernel || (!in.A_log && !in.dt_bias), kOp,
+  TORCH_CHECK_VALUE(cfg.use_gate_in_kernel || (!in.A_log && !in.dt_bias), op,
               "A_log and dt_bias are only used with use_gate_in_kernel=True, got "
               "use_gate_in_kernel=False with A_log ", in.A_log ? "set" : "None", " and dt_bias ",
               in.dt_bias ? "set" : "None");
   if (cfg.use_gate_in_kernel) {
     if (cfg.lower_bound) {
-      TORCH_CHECK_VALUE(std::isfinite(*cfg.lower_bound) && *cfg.lower_bound < 0.0, kOp,
+      TORCH_CHECK_VALUE(std::isfinite(*cfg.lower_bound) && *cfg.lower_bound < 0.0, op,
                   "lower_bound must be a finite negative number, got ", *cfg.lower_bound);
     } else {
-      TORCH_CHECK_VALUE(in.A_log.has_value(), kOp,
+      TORCH_CHECK_VALUE(in.A_log.has_value(), op,
                   "use_gate_in_kernel=True without lower_bound (softplus gate) requires A_log, "
                   "got None");
     }
   }
   if (in.A_log) {
-    check_float(*in.A_log, "A_log");
-    check_device(*in.A_log, "A_log", q);
-    TORCH_CHECK_VALUE(in.A_log->dim() == 1 && in.A_log->size(0) == d.HV, kOp,
+    check_float(op, *in.A_log, "A_log");
+    check_device(op, *in.A_log, "A_log", q);
+    TORCH_CHECK_VALUE(in.A_log->dim() == 1 && in.A_log->size(0) == d.HV, op,
                 "A_log must have shape [HV] = [", d.HV, "], got ", in.A_log->sizes());
   }
   if (in.dt_bias) {
-    check_float(*in.dt_bias, "dt_bias");
-    check_device(*in.dt_bias, "dt_bias", q);
+    check_float(op, *in.dt_bias, "dt_bias");
+    check_device(op, *in.dt_bias, "dt_bias", q);
     const auto& b = *in.dt_bias;
     TORCH_CHECK_VALUE((b.dim() == 1 && b.size(0) == d.HV * d.K) ||
                     (b.dim() == 2 && b.size(0) == d.HV && b.size(1) == d.K),
-                kOp, "dt_bias must have shape [HV * K] = [", d.HV * d.K, "] or [HV, K] = [", d.HV,
+                op, "dt_bias must have shape [HV * K] = [", d.HV * d.K, "] or [HV, K] = [", d.HV,
                 ", ", d.K, "], got ", b.sizes());
   }
 
   if (in.cu_seqlens) {
     const auto& cu = *in.cu_seqlens;
-    TORCH_CHECK_TYPE(cu.scalar_type() == at::kLong || cu.scalar_type() == at::kInt, kOp,
+    TORCH_CHECK_TYPE(cu.scalar_type() == at::kLong || cu.scalar_type() == at::kInt, op,
                 "cu_seqlens must be int64 or int32, got dtype ", cu.scalar_type());
-    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, kOp,
+    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, op,
                 "cu_seqlens must be 1-D [N + 1] with N >= 0, got shape ", cu.sizes());
-    TORCH_CHECK_VALUE(d.B == 1, kOp, "with cu_seqlens the batch size must be 1, got B = ", d.B);
+    TORCH_CHECK_VALUE(d.B == 1, op, "with cu_seqlens the batch size must be 1, got B = ", d.B);
     d.varlen = true;
     d.N = cu.size(0) - 1;
     if (check_values) {
-      TORCH_CHECK_VALUE(cu.device().is_cpu(), kOp, "cu_seqlens must be a CPU tensor, got ",
+      TORCH_CHECK_VALUE(cu.device().is_cpu(), op, "cu_seqlens must be a CPU tensor, got ",
                   cu.device());
       const auto c = cu.to(at::kLong).contiguous();
       const int64_t* p = c.data_ptr<int64_t>();
-      TORCH_CHECK_VALUE(p[0] == 0, kOp, "cu_seqlens[0] must be 0, got ", p[0]);
+      TORCH_CHECK_VALUE(p[0] == 0, op, "cu_seqlens[0] must be 0, got ", p[0]);
       for (int64_t i = 0; i < d.N; ++i) {
-        TORCH_CHECK_VALUE(p[i + 1] >= p[i], kOp, "cu_seqlens must be non-decreasing, got cu_seqlens[",
+        TORCH_CHECK_VALUE(p[i + 1] >= p[i], op, "cu_seqlens must be non-decreasing, got cu_seqlens[",
                     i, "] = ", p[i], " > cu_seqlens[", i + 1, "] = ", p[i + 1]);
       }
-      TORCH_CHECK_VALUE(p[d.N] == d.T, kOp, "cu_seqlens[-1] must equal T = ", d.T, ", got ", p[d.N]);
+      TORCH_CHECK_VALUE(p[d.N] == d.T, op, "cu_seqlens[-1] must equal T = ", d.T, ", got ", p[d.N]);
     }
   } else {
     d.N = d.B;
   }
   if (in.initial_state) {
     const auto& s = *in.initial_state;
-    check_float(s, "initial_state");
-    check_device(s, "initial_state", q);
+    check_float(op, s, "initial_state");
+    check_device(op, s, "initial_state", q);
     if (cfg.state_v_first) {
-      check_shape(s, "initial_state", {d.N, d.HV, d.V, d.K}, "[N, HV, V, K] (state_v_first)");
+      check_shape(op, s, "initial_state", {d.N, d.HV, d.V, d.K}, "[N, HV, V, K] (state_v_first)");
     } else {
-      check_shape(s, "initial_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]");
+      check_shape(op, s, "initial_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]");
     }
   }
   d.n_slots = d.B * ((d.T + kernels::kChunk - 1) / kernels::kChunk);
@@ -196,9 +204,10 @@ Inputs make_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return in;
 }
 
-Config make_config(double scale, bool l2, bool gate, bool sig, bool neg,
+Config make_config(const char* op, double scale, bool l2, bool gate, bool sig, bool neg,
                    std::optional<double> lower_bound, bool state_v_first) {
   Config c;
+  c.op = op;
   c.scale = scale;
   c.use_qk_l2norm_in_kernel = l2;
   c.use_gate_in_kernel = gate;
@@ -209,8 +218,8 @@ Config make_config(double scale, bool l2, bool gate, bool sig, bool neg,
   return c;
 }
 
-void check_cpu(const Inputs& in) {
-  TORCH_CHECK_VALUE(in.q.device().is_cpu(), kOp, "the native kernels run on CPU tensors, got q on ",
+void check_cpu(const char* op, const Inputs& in) {
+  TORCH_CHECK_VALUE(in.q.device().is_cpu(), op, "the native kernels run on CPU tensors, got q on ",
               in.q.device());
 }
 
@@ -223,8 +232,8 @@ void check_cpu(const Inputs& in) {
       const std::optional<at::Tensor>&cu_seqlens, const std::optional<at::Tensor>&A_log,   \
       const std::optional<at::Tensor>&dt_bias
 #define KDA_OP_INPUTS make_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
-#define KDA_OP_CONFIG                                                                    \
-  make_config(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,                       \
+#define KDA_OP_CONFIG(op)                                                                \
+  make_config(op, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,                   \
               use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first)
 #define KDA_OP_FORWARD                                                                  \
   q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,  \
@@ -235,17 +244,17 @@ void check_cpu(const Inputs& in) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(KDA_OP_ARGS) {
   const Inputs in = KDA_OP_INPUTS;
-  check_cpu(in);
-  return recurrent_fwd_cpu(in, KDA_OP_CONFIG, /*with_checkpoints=*/true);
+  check_cpu(kRecFwd, in);
+  return recurrent_fwd_cpu(in, KDA_OP_CONFIG(kRecFwd), /*with_checkpoints=*/true);
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_recurrent_cpu(KDA_OP_ARGS) {
   const Inputs in = KDA_OP_INPUTS;
-  check_cpu(in);
+  check_cpu(kRec, in);
   {
     // Decode (one token per sequence): the serving kernels read each state slice once and write
     // the fresh final state once, in either layout, without transposed copies.
-    const Config cfg = KDA_OP_CONFIG;
+    const Config cfg = KDA_OP_CONFIG(kRec);
     const Dims d = check_inputs(in, cfg, /*check_values=*/true);
     // TORCH_KDA_DECODE_KERNEL=recurrent keeps decode calls on the general recurrent kernels
     // (benchmarks compare the two paths side by side; tests check they agree).
@@ -261,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent_cpu(KDA_OP_ARGS) {
       return {o, ht};
     }
   }
-  auto r = recurrent_fwd_cpu(in, KDA_OP_CONFIG, /*with_checkpoints=*/false);
+  auto r = recurrent_fwd_cpu(in, KDA_OP_CONFIG(kRec), /*with_checkpoints=*/false);
   return {std::get<0>(r), std::get<1>(r)};
 }
 
@@ -269,14 +278,14 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent_cpu(KDA_OP_ARGS) {
 // to rounding; its checkpoints feed either backward.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_fwd_cpu_op(KDA_OP_ARGS) {
   const Inputs in = KDA_OP_INPUTS;
-  check_cpu(in);
-  return chunk_fwd_cpu(in, KDA_OP_CONFIG, /*with_checkpoints=*/true);
+  check_cpu(kChunkFwd, in);
+  return chunk_fwd_cpu(in, KDA_OP_CONFIG(kChunkFwd), /*with_checkpoints=*/true);
 }
 
 std::tuple<at::Tensor, at::Tensor> chunk_cpu(KDA_OP_ARGS) {
   const Inputs in = KDA_OP_INPUTS;
-  check_cpu(in);
-  auto r = chunk_fwd_cpu(in, KDA_OP_CONFIG, /*with_checkpoints=*/false);
+  check_cpu(kChunk, in);
+  auto r = chunk_fwd_cpu(in, KDA_OP_CONFIG(kChunk), /*with_checkpoints=*/false);
   return {std::get<0>(r), std::get<1>(r)};
 }
 
@@ -287,27 +296,28 @@ std::optional<at::Tensor> check_bwd_call(const at::Tensor& grad_o,
                                          const at::Tensor& checkpoints, const Inputs& in,
                                          const Config& cfg) {
   const at::Tensor& q = in.q;
-  check_cpu(in);
+  const char* op = cfg.op;
+  check_cpu(op, in);
   const Dims d = check_inputs(in, cfg, /*check_values=*/true);
-  TORCH_CHECK_VALUE(grad_o.sizes() == at::IntArrayRef({d.B, d.T, d.HV, d.V}), kOp,
+  TORCH_CHECK_VALUE(grad_o.sizes() == at::IntArrayRef({d.B, d.T, d.HV, d.V}), op,
               "grad_o must have shape [B, T, HV, V] = ", at::IntArrayRef({d.B, d.T, d.HV, d.V}),
               ", got ", grad_o.sizes());
-  check_float(grad_o, "grad_o");
-  check_device(grad_o, "grad_o", q);
+  check_float(op, grad_o, "grad_o");
+  check_device(op, grad_o, "grad_o", q);
   std::optional<at::Tensor> gfs = grad_final_state;
   if (gfs && !gfs->defined()) gfs.reset();
   if (gfs) {
-    check_float(*gfs, "grad_final_state");
-    check_device(*gfs, "grad_final_state", q);
+    check_float(op, *gfs, "grad_final_state");
+    check_device(op, *gfs, "grad_final_state", q);
     if (cfg.state_v_first) {
-      check_shape(*gfs, "grad_final_state", {d.N, d.HV, d.V, d.K}, "[N, HV, V, K]");
+      check_shape(op, *gfs, "grad_final_state", {d.N, d.HV, d.V, d.K}, "[N, HV, V, K]");
     } else {
-      check_shape(*gfs, "grad_final_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]");
+      check_shape(op, *gfs, "grad_final_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]");
     }
   }
-  check_float(checkpoints, "checkpoints");
-  check_device(checkpoints, "checkpoints", q);
-  check_shape(checkpoints, "checkpoints", {d.n_slots, d.HV, d.K, d.V},
+  check_float(op, checkpoints, "checkpoints");
+  check_device(op, checkpoints, "checkpoints", q);
+  check_shape(op, checkpoints, "checkpoints", {d.n_slots, d.HV, d.K, d.V},
               "[B * ceil(T / 64), HV, K, V] (from fused_recurrent_fwd)");
   return gfs;
 }
@@ -315,7 +325,7 @@ std::optional<at::Tensor> check_bwd_call(const at::Tensor& grad_o,
 Grads bwd_cpu(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state,
               const at::Tensor& checkpoints, KDA_OP_ARGS) {
   const Inputs in = KDA_OP_INPUTS;
-  const Config cfg = KDA_OP_CONFIG;
+  const Config cfg = KDA_OP_CONFIG(kRecBwd);
   const auto gfs = check_bwd_call(grad_o, grad_final_state, checkpoints, in, cfg);
   return to_grads(recurrent_bwd_cpu(grad_o, gfs, checkpoints, in, cfg));
 }
@@ -324,7 +334,7 @@ Grads bwd_cpu(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_fi
 Grads chunk_bwd_cpu_op(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state,
                        const at::Tensor& checkpoints, KDA_OP_ARGS) {
   const Inputs in = KDA_OP_INPUTS;
-  const Config cfg = KDA_OP_CONFIG;
+  const Config cfg = KDA_OP_CONFIG(kChunkBwd);
   const auto gfs = check_bwd_call(grad_o, grad_final_state, checkpoints, in, cfg);
   return to_grads(chunk_bwd_cpu(grad_o, gfs, checkpoints, in, cfg));
 }
@@ -333,55 +343,71 @@ Grads chunk_bwd_cpu_op(const at::Tensor& grad_o, const std::optional<at::Tensor>
 
 // Checks that need no sizes: every tensor defined and on q's device (a tensor on another device
 // can route the call to this kernel).
-void check_defined_same_device(KDA_OP_ARGS) {
-  TORCH_CHECK_TYPE(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(), kOp,
+void check_defined_same_device(const char* op, KDA_OP_ARGS) {
+  TORCH_CHECK_TYPE(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(), op,
               "q, k, v, g and beta must be defined tensors");
-  check_device(k, "k", q);
-  check_device(v, "v", q);
-  check_device(g, "g", q);
-  check_device(beta, "beta", q);
-  if (initial_state && initial_state->defined()) check_device(*initial_state, "initial_state", q);
-  if (cu_seqlens && cu_seqlens->defined()) check_device(*cu_seqlens, "cu_seqlens", q);
-  if (A_log && A_log->defined()) check_device(*A_log, "A_log", q);
-  if (dt_bias && dt_bias->defined()) check_device(*dt_bias, "dt_bias", q);
+  check_device(op, k, "k", q);
+  check_device(op, v, "v", q);
+  check_device(op, g, "g", q);
+  check_device(op, beta, "beta", q);
+  if (initial_state && initial_state->defined()) {
+    check_device(op, *initial_state, "initial_state", q);
+  }
+  if (cu_seqlens && cu_seqlens->defined()) check_device(op, *cu_seqlens, "cu_seqlens", q);
+  if (A_log && A_log->defined()) check_device(op, *A_log, "A_log", q);
+  if (dt_bias && dt_bias->defined()) check_device(op, *dt_bias, "dt_bias", q);
 }
 
 at::ScalarType state_dtype(const at::Tensor& q) { return compute_dtype(q); }
 
-std::vector<c10::SymInt> state_shape_meta(const at::Tensor& q, const at::Tensor& v,
+std::vector<c10::SymInt> state_shape_meta(const char* op, const at::Tensor& q,
+                                          const at::Tensor& v,
                                           const std::optional<at::Tensor>& cu_seqlens,
                                           bool state_v_first) {
-  TORCH_CHECK_VALUE(q.dim() == 4 && v.dim() == 4, kOp, "q and v must be 4-D");
+  TORCH_CHECK_VALUE(q.dim() == 4 && v.dim() == 4, op, "q and v must be 4-D");
   c10::SymInt N = (cu_seqlens && cu_seqlens->defined()) ? cu_seqlens->sym_size(0) - 1
                                                          : q.sym_size(0);
   if (state_v_first) return {N, v.sym_size(2), v.sym_size(3), q.sym_size(3)};
   return {N, v.sym_size(2), q.sym_size(3), v.sym_size(3)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_meta(KDA_OP_ARGS) {
-  check_defined_same_device(KDA_OP_FORWARD);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_meta_impl(const char* op, KDA_OP_ARGS) {
+  check_defined_same_device(op, KDA_OP_FORWARD);
   const auto ct = state_dtype(q);
   auto opts = q.options().dtype(ct);
   auto o = at::empty_symint({q.sym_size(0), q.sym_size(1), v.sym_size(2), v.sym_size(3)},
                             q.options());
-  auto ht = at::empty_symint(state_shape_meta(q, v, cu_seqlens, state_v_first), opts);
+  auto ht = at::empty_symint(state_shape_meta(op, q, v, cu_seqlens, state_v_first), opts);
   const c10::SymInt chunks = (q.sym_size(1) + (kernels::kChunk - 1)) / kernels::kChunk;
   auto ck = at::empty_symint({q.sym_size(0) * chunks, v.sym_size(2), q.sym_size(3), v.sym_size(3)},
                              opts);
   return {o, ht, ck};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_meta(KDA_OP_ARGS) {
+  return fwd_meta_impl(kRecFwd, KDA_OP_FORWARD);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_fwd_meta(KDA_OP_ARGS) {
+  return fwd_meta_impl(kChunkFwd, KDA_OP_FORWARD);
+}
+
 std::tuple<at::Tensor, at::Tensor> fused_recurrent_meta(KDA_OP_ARGS) {
-  auto r = fwd_meta(KDA_OP_FORWARD);
+  auto r = fwd_meta_impl(kRec, KDA_OP_FORWARD);
   return {std::get<0>(r), std::get<1>(r)};
 }
 
-Grads bwd_meta(const at::Tensor& grad_o,
-                                 const std::optional<at::Tensor>& grad_final_state,
-                                 const at::Tensor& checkpoints, KDA_OP_ARGS) {
-  check_defined_same_device(KDA_OP_FORWARD);
-  check_device(grad_o, "grad_o", q);
-  check_device(checkpoints, "checkpoints", q);
+std::tuple<at::Tensor, at::Tensor> chunk_meta(KDA_OP_ARGS) {
+  auto r = fwd_meta_impl(kChunk, KDA_OP_FORWARD);
+  return {std::get<0>(r), std::get<1>(r)};
+}
+
+Grads bwd_meta_impl(const char* op, const at::Tensor& grad_o,
+                    const std::optional<at::Tensor>& grad_final_state,
+                    const at::Tensor& checkpoints, KDA_OP_ARGS) {
+  check_defined_same_device(op, KDA_OP_FORWARD);
+  check_device(op, grad_o, "grad_o", q);
+  check_device(op, checkpoints, "checkpoints", q);
   const auto ct = state_dtype(q);
   auto empty_like_meta = [](const at::Tensor& t) {
     return at::empty_symint(t.sym_sizes(), t.options());
@@ -399,6 +425,16 @@ Grads bwd_meta(const at::Tensor& grad_o,
   out[6] = gate_a ? empty_like_meta(*A_log) : none();
   out[7] = gate_b ? empty_like_meta(*dt_bias) : none();
   return to_grads(out);
+}
+
+Grads bwd_meta(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state,
+               const at::Tensor& checkpoints, KDA_OP_ARGS) {
+  return bwd_meta_impl(kRecBwd, grad_o, grad_final_state, checkpoints, KDA_OP_FORWARD);
+}
+
+Grads chunk_bwd_meta(const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state,
+                     const at::Tensor& checkpoints, KDA_OP_ARGS) {
+  return bwd_meta_impl(kChunkBwd, grad_o, grad_final_state, checkpoints, KDA_OP_FORWARD);
 }
 
 // ---- Autograd -------------------------------------------------------------------------------
@@ -440,14 +476,15 @@ class FusedRecurrentBackward : public torch::autograd::Function<FusedRecurrentBa
   static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_o,
                                const std::optional<at::Tensor>& grad_final_state,
                                const at::Tensor& checkpoints, KDA_OP_ARGS, bool chunk) {
+    ctx->saved_data["chunk"] = chunk;
     at::AutoDispatchBelowADInplaceOrView guard;
     const auto r = call_bwd(chunk, grad_o, grad_final_state, checkpoints, KDA_OP_FORWARD);
     return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r),
             std::get<4>(r), std::get<5>(r), std::get<6>(r), std::get<7>(r)};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(false,
-                "kda::fused_recurrent: the native backward is first order only; for "
+    TORCH_CHECK(false, ctx->saved_data["chunk"].toBool() ? kChunkBwd : kRecBwd,
+                "the native backward is first order only; for "
                 "higher-order gradients (e.g. create_graph=True followed by another backward) use "
                 "backend=\"reference\"");
     return {};
@@ -518,7 +555,7 @@ class FusedRecurrentFunction : public torch::autograd::Function<FusedRecurrentFu
 
 // kda::fused_recurrent and (chunk) kda::chunk under autograd.
 std::tuple<at::Tensor, at::Tensor> autograd_impl(bool chunk, KDA_OP_ARGS) {
-  check_defined_same_device(KDA_OP_FORWARD);
+  check_defined_same_device(chunk ? kChunk : kRec, KDA_OP_FORWARD);
   auto req = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
   const bool needs_grad =
       at::GradMode::is_enabled() &&
@@ -598,13 +635,13 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
   // The plain checks, with the pool and a head-wise beta replaced by what they check.
   in = make_inputs(q, k, v, g, headwise ? beta.select(3, 0) : beta, idx ? std::nullopt : pool,
                    cu_seqlens, A_log, dt_bias);
-  cfg = make_config(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval, lower_bound, state_v_first);
-  check_cpu(in);
+  cfg = make_config(kSrv, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                    use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first);
+  check_cpu(kSrv, in);
   d = check_inputs(in, cfg, /*check_values=*/true);
   in.beta = beta;
   in.initial_state = pool;
-  if (headwise) check_shape(beta, "beta", {d.B, d.T, d.HV, d.V}, "[B, T, HV, V] (head-wise)");
+  if (headwise) check_shape(kSrv, beta, "beta", {d.B, d.T, d.HV, d.V}, "[B, T, HV, V] (head-wise)");
   const auto ct = compute_dtype(q);
   const std::vector<int64_t> per_slot = state_v_first ? std::vector<int64_t>{d.HV, d.V, d.K}
                                                       : std::vector<int64_t>{d.HV, d.K, d.V};
@@ -614,7 +651,7 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
     TORCH_CHECK_VALUE(pool.has_value(), kSrv, idx ? "ssm_state_indices" : "inplace_final_state=True",
                       " needs the state pool as initial_state ", layout, ", got None");
     const auto& p = *pool;
-    check_device(p, "initial_state", q);
+    check_device(kSrv, p, "initial_state", q);
     TORCH_CHECK_VALUE(p.dim() == 4 && p.size(1) == per_slot[0] && p.size(2) == per_slot[1] &&
                           p.size(3) == per_slot[2],
                       kSrv, "initial_state (the state pool) must have shape ", layout,
@@ -634,16 +671,16 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
     TORCH_CHECK_VALUE(!fresh, kSrv, "final_state must be None with inplace_final_state=True "
                       "(the pool receives the states)");
   }
-  check_device(out, "out", q);
-  check_shape(out, "out", {d.B, d.T, d.HV, d.V}, "[B, T, HV, V]");
+  check_device(kSrv, out, "out", q);
+  check_shape(kSrv, out, "out", {d.B, d.T, d.HV, d.V}, "[B, T, HV, V]");
   TORCH_CHECK_TYPE(out.scalar_type() == q.scalar_type(), kSrv, "out must have the dtype of q (",
                    q.scalar_type(), "), got ", out.scalar_type());
   if (fresh) {
-    check_device(*fresh, "final_state", q);
+    check_device(kSrv, *fresh, "final_state", q);
     if (state_v_first) {
-      check_shape(*fresh, "final_state", {d.N, d.HV, d.V, d.K}, "[N, HV, V, K]");
+      check_shape(kSrv, *fresh, "final_state", {d.N, d.HV, d.V, d.K}, "[N, HV, V, K]");
     } else {
-      check_shape(*fresh, "final_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]");
+      check_shape(kSrv, *fresh, "final_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]");
     }
     TORCH_CHECK_TYPE(fresh->scalar_type() == ct && fresh->is_contiguous(), kSrv,
                      "final_state must be a contiguous ", ct, " tensor, got ", fresh->scalar_type());
@@ -662,8 +699,8 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
                       "needs 2-D ssm_state_indices [N, T_max]");
     TORCH_CHECK_TYPE(nat->scalar_type() == at::kLong || nat->scalar_type() == at::kInt, kSrv,
                      "num_accepted_tokens must be int64 or int32, got ", nat->scalar_type());
-    check_device(*nat, "num_accepted_tokens", q);
-    check_shape(*nat, "num_accepted_tokens", {d.N}, "[N]");
+    check_device(kSrv, *nat, "num_accepted_tokens", q);
+    check_shape(kSrv, *nat, "num_accepted_tokens", {d.N}, "[N]");
     const auto a = nat->to(at::kLong).contiguous();
     accepted.assign(a.data_ptr<int64_t>(), a.data_ptr<int64_t>() + d.N);
   }
@@ -676,7 +713,7 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
   }
   TORCH_CHECK_TYPE(idx->scalar_type() == at::kLong || idx->scalar_type() == at::kInt, kSrv,
                    "ssm_state_indices must be int64 or int32, got ", idx->scalar_type());
-  check_device(*idx, "ssm_state_indices", q);
+  check_device(kSrv, *idx, "ssm_state_indices", q);
   TORCH_CHECK_VALUE((idx->dim() == 1 || idx->dim() == 2) && idx->size(0) == d.N, kSrv,
                     "ssm_state_indices must have shape [N] or [N, T_max] with N = ", d.N,
                     ", got ", idx->sizes());
@@ -888,10 +925,10 @@ TORCH_LIBRARY_IMPL(kda, Meta, m) {
   m.impl("fused_recurrent", &kda::detail::fused_recurrent_meta);
   m.impl("fused_recurrent_fwd", &kda::detail::fwd_meta);
   m.impl("fused_recurrent_bwd", &kda::detail::bwd_meta);
-  m.impl("chunk_bwd", &kda::detail::bwd_meta);
+  m.impl("chunk_bwd", &kda::detail::chunk_bwd_meta);
   m.impl("fused_recurrent_serving", &kda::detail::fused_recurrent_serving_meta);
-  m.impl("chunk", &kda::detail::fused_recurrent_meta);
-  m.impl("chunk_fwd", &kda::detail::fwd_meta);
+  m.impl("chunk", &kda::detail::chunk_meta);
+  m.impl("chunk_fwd", &kda::detail::chunk_fwd_meta);
 }
 
 TORCH_LIBRARY_IMPL(kda, Autograd, m) {

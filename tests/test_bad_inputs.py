@@ -158,13 +158,14 @@ OP_CASES = [
 @needs_native
 @pytest.mark.parametrize("row,change,match", OP_CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(OP_CASES)])
-def test_native_op_rejects(row, change, match):
+@pytest.mark.parametrize("op", ["fused_recurrent", "chunk"])  # one set of checks, both ops
+def test_native_op_rejects(row, change, match, op):
     # C++ TORCH_CHECK_TYPE / TORCH_CHECK_VALUE: the Python API's exception types (TypeError for
-    # dtypes, ValueError for values), not a bare RuntimeError.
+    # dtypes, ValueError for values), not a bare RuntimeError; the message names the called op.
     p = _op_problem()
     exc = TypeError if "floating tensor" in match else ValueError
-    with pytest.raises(exc, match=re.escape(match)):
-        torch.ops.kda.fused_recurrent(*_op_args(p, **change(p)))
+    with pytest.raises(exc, match=rf"^kda::{op}: .*{re.escape(match)}"):
+        getattr(torch.ops.kda, op)(*_op_args(p, **change(p)))
 
 
 @needs_native
@@ -190,5 +191,6 @@ def test_native_backward_op_rejects(which, match, op):  # row "bwd-op"
         "checkpoints_shape": (d_o, d_s, ck[:1]),
         "checkpoints_dtype": (d_o, d_s, ck.int()),
     }[which]
-    with pytest.raises(TypeError if "floating" in match else ValueError, match=match):
+    with pytest.raises(TypeError if "floating" in match else ValueError,
+                       match=rf"^kda::{op}: {match}"):
         getattr(torch.ops.kda, op)(d_o, d_s, ck, *args)

@@ -141,14 +141,38 @@ def test_native_ops_called_directly_raise_value_error():
     with pytest.raises(ValueError, match=r"kda::fused_recurrent: g must be a log-decay <= 0.*"
                                          r"g\[0, 66, 0, 3\] = 0\.5"):
         torch.ops.kda.fused_recurrent(*_op_args(p, g=g))
-    with pytest.raises(ValueError, match=r"beta\[0, 2, 0\] = -0\.25"):
+    with pytest.raises(ValueError,
+                       match=r"kda::fused_recurrent_fwd: beta.*beta\[0, 2, 0\] = -0\.25"):
         beta = p.beta.clone()
         beta[0, 2, 0] = -0.25
         torch.ops.kda.fused_recurrent_fwd(*_op_args(p, beta=beta))
     # the backward op alone (its pre-processing pass runs the same checks)
     o, s, ck = torch.ops.kda.fused_recurrent_fwd(*_op_args(p))
-    with pytest.raises(ValueError, match=r"g\[0, 66, 0, 3\]"):
+    with pytest.raises(ValueError, match=r"kda::fused_recurrent_bwd: g.*g\[0, 66, 0, 3\]"):
         torch.ops.kda.fused_recurrent_bwd(torch.randn_like(o), None, ck, *_op_args(p, g=g))
+
+
+# Each op's messages name that op (the checks and the pre-processing pass are shared): the same
+# offending g through every forward and backward op, and through the public functions, whose
+# native backend calls kda::chunk / kda::fused_recurrent without autograd and the _fwd ops with it.
+@pytest.mark.parametrize("family", ["fused_recurrent", "chunk"])
+def test_each_native_op_names_itself_in_domain_errors(family):
+    p = _problem(T=70)
+    g = p.g.clone()
+    g[0, 66, 0, 3] = 0.5
+    where = r"g must be a log-decay <= 0.*g\[0, 66, 0, 3\] = 0\.5"
+    for op in (family, family + "_fwd"):
+        with pytest.raises(ValueError, match=rf"^kda::{op}: {where}"):
+            getattr(torch.ops.kda, op)(*_op_args(p, g=g))
+    o, s, ck = torch.ops.kda.fused_recurrent_fwd(*_op_args(p))
+    with pytest.raises(ValueError, match=rf"^kda::{family}_bwd: {where}"):
+        getattr(torch.ops.kda, family + "_bwd")(torch.randn_like(o), None, ck, *_op_args(p, g=g))
+    fn = torch_kda.chunk_kda if family == "chunk" else torch_kda.fused_recurrent_kda
+    with pytest.raises(ValueError, match=rf"^kda::{family}: {where}"):
+        _call(fn, p, "native", g=g)
+    q = p.q.clone().requires_grad_()
+    with pytest.raises(ValueError, match=rf"^kda::{family}_fwd: {where}"):
+        _call(fn, p, "native", q=q, g=g)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -30,6 +30,9 @@ struct Config {
   bool allow_neg_eigval = false;
   std::optional<double> lower_bound;
   bool state_v_first = false;
+  // The prefix of every error message, naming the op that was called ("kda::chunk: ", ...; set
+  // by each op entry point in ops.cpp), so a shared check never names another op.
+  const char* op = "kda: ";
 };
 
 // Sizes established by check_inputs.
@@ -90,7 +93,8 @@ struct FirstBad {
 };
 // Raises what the pre-processing pass found (docs/bad_inputs.md, "Values outside the domain"),
 // with the value read from the caller's tensor.
-void report_domain(const FirstBad& bad, const Inputs& in, const Dims& d);
+// cfg.op names the op in the message.
+void report_domain(const FirstBad& bad, const Inputs& in, const Config& cfg, const Dims& d);
 
 // The pre-processing arguments that depend on cfg and d only (float and double); BT = stride,
 // the token stride of the outputs. The caller sets the pointers.

@@ -208,7 +208,7 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
     rows.loc[d.N] = used;
     FirstBad bad;
     prep_block<T>(P, rows, /*shifted_inputs=*/false, bad);
-    report_domain(bad, in, d);
+    report_domain(bad, in, cfg, d);
     // The recurrence over the block. An empty sequence still runs once (in block 0), so its
     // initial-state gradient is dht.
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {

@@ -73,12 +73,13 @@ void fill_prep(kernels::PrepArgs<T>& P, const at::Tensor& q, const at::Tensor& k
 // Raises what the pre-processing pass found (docs/bad_inputs.md, "Values outside the domain"),
 // with the value read from the caller's tensor. (The warning about beta * ||k||^2 > 2 is
 // Python's: a TORCH_WARN from an op called through torch.ops reaches stderr, not Python.)
-void report_domain(const FirstBad& bad, const Inputs& in, const Dims& d) {
+void report_domain(const FirstBad& bad, const Inputs& in, const Config& cfg,
+                   const Dims& d) {
   const int64_t bg = bad.g.load(), bb = bad.beta.load();
   if (bg >= 0) {
     const int64_t token = bg / (d.HV * d.K), hv = (bg / d.K) % d.HV, i = bg % d.K;
     const double val = in.g.reshape({-1})[bg].item<double>();
-    TORCH_CHECK_VALUE(false, "kda::fused_recurrent: g must be a log-decay <= 0 with "
+    TORCH_CHECK_VALUE(false, cfg.op, "g must be a log-decay <= 0 with "
                       "use_gate_in_kernel=False, got g", where_of(token, d.T, hv), ", ", i,
                       "] = ", val, "; pass log(decay) for a decay in (0, 1], or the raw gate "
                       "input with use_gate_in_kernel=True and A_log");
@@ -86,7 +87,7 @@ void report_domain(const FirstBad& bad, const Inputs& in, const Dims& d) {
   if (bb >= 0) {
     const int64_t token = bb / d.HV, hv = bb % d.HV;
     const double val = in.beta.reshape({-1})[bb].item<double>();
-    TORCH_CHECK_VALUE(false, "kda::fused_recurrent: beta must lie in [0, 2] with "
+    TORCH_CHECK_VALUE(false, cfg.op, "beta must lie in [0, 2] with "
                       "use_beta_sigmoid_in_kernel=False, got beta", where_of(token, d.T, hv),
                       "] = ", val, "; pass use_beta_sigmoid_in_kernel=True if beta holds logits");
   }
@@ -190,7 +191,7 @@ Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for
     run_prep<float>(P, bad);
   }
   // The backward op re-runs this pass and may be called alone: the same errors as the forward.
-  report_domain(bad, in, d);
+  report_domain(bad, in, cfg, d);
 
   // Token-major views and values for the backward's chain rule.
   p.k = p.k_hm.permute({1, 0, 2});
@@ -449,7 +450,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
     // block's recurrence runs.
     FirstBad bad;
     prep_block<T>(P, rows, conv_in, bad);
-    report_domain(bad, in, d);
+    report_domain(bad, in, cfg, d);
     run_block(A, rs, re, j);
     if (conv_vo) {
       const at::Tensor o2 = o.view({BT, d.HV * d.V});

@@ -118,6 +118,37 @@ def test_speculative_snapshots_equal_sequential_decode(backend, v_first):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("v_first", [False, True])
+def test_fp64_inputs_write_a_narrower_pool_in_place(backend, pool_dtype, v_first):
+    """fp64 inputs with an fp32 or bf16 pool: final states and snapshots land in the pool itself,
+    rounded once to its dtype (the native kernel once wrote fp64 values through the fp32 pool's
+    pointer: out-of-bounds writes; and its snapshots into a temporary copy)."""
+    N, T, HV, K, V = 2, 3, 4, 16, 24
+    p = make_problem(B=N, T=T, H=2, HV=HV, K=K, V=V, seed=5, initial_state=False,
+                     output_final_state=False)  # float64
+    kw = {**p.kwargs, "state_v_first": v_first}
+    pool = _pool(10, HV, K, V, v_first, dtype=pool_dtype, seed=6)
+    before = pool.clone()
+    idx = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    nat = torch.tensor([1, 3])  # sequence 0 starts from slot 0, sequence 1 from slot 5
+    with torch.no_grad():
+        o, final = torch_kda.fused_recurrent_kda(*p.args, **kw, initial_state=pool,
+                                                 ssm_state_indices=idx, num_accepted_tokens=nat,
+                                                 inplace_final_state=True, backend=backend)
+    assert final is pool and o.dtype == torch.float64
+    start = before[[0, 5]].double()
+    o_ref, _ = _oracle_from(p, start, v_first)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2 ** -7}[pool_dtype]
+    assert rel_err(o, o_ref) < 1e-12
+    for t in range(T):  # snapshot t == the state after token t, rounded once to the pool's dtype
+        prefix = [x[:, :t + 1] for x in p.args]
+        _, s_t = oracle_kda(*prefix, **{**kw, "initial_state": start, "output_final_state": True})
+        assert rel_err(pool[idx[:, t]], s_t) < tol
+    assert torch.equal(pool[6:], before[6:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_verify_then_continue_equals_decoding_accepted_tokens(backend):
     """Verify 3 drafts in one call, accept 2, continue: equals decoding the accepted tokens."""
     HV, K, V = 2, 16, 16

@@ -42,11 +42,14 @@ kernels::StateType state_type(const at::Tensor& t) {
   }
 }
 
-// A state tensor the kernels can address directly: dtype ct or bf16, each row's [HV, *, *] block
-// contiguous. Anything else (only possible for read-only sources) is converted once.
+// A state tensor the kernels can address directly: fp32 or bf16 (and fp64 for fp64 inputs), each
+// row's [HV, *, *] block contiguous. Anything else (only possible for read-only sources) is
+// converted once. An fp32 pool with fp64 inputs must stay the pool: the kernels write it in
+// place (final states and snapshots) through this pointer.
 at::Tensor kernel_state(const at::Tensor& s, at::ScalarType ct) {
   if (!s.defined()) return s;
-  const bool dtype_ok = s.scalar_type() == ct || s.scalar_type() == at::kBFloat16;
+  const bool dtype_ok = s.scalar_type() == ct || s.scalar_type() == at::kBFloat16 ||
+                        s.scalar_type() == at::kFloat;
   const bool inner_ok = s.stride(3) == 1 && s.stride(2) == s.size(3) &&
                         s.stride(1) == s.size(2) * s.size(3);
   if (dtype_ok && inner_ok) return s;

@@ -531,16 +531,37 @@ void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int6
   delete heap;
 }
 
+// The destination's storage type, for a given source storage type.
+template <typename T, typename Src>
+void unit_dst(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int64_t c1) {
+  switch (A.dst_type) {
+    case StateType::kBF16:
+      return unit_typed<T, Src, bf16>(A, n, hv, c0, c1);
+    case StateType::kF32:
+      return unit_typed<T, Src, float>(A, n, hv, c0, c1);
+    case StateType::kF64:
+      if constexpr (std::is_same<T, double>::value) return unit_typed<T, Src, double>(A, n, hv, c0, c1);
+      break;
+  }
+  std::abort();  // the op (kernel_state) never passes an fp64 state to the fp32 kernels
+}
+
 template <typename T>
 void unit(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int64_t c1) {
-  // Storage types: the compute type or bf16, for the source (pool / initial state) and the
-  // destination (pool in place, or the fresh fp32 final state). The op converts anything else.
-  using W = typename std::conditional<std::is_same<T, float>::value, float, double>::type;
-  const bool s16 = A.src_type == StateType::kBF16, d16 = A.dst_type == StateType::kBF16;
-  if (s16 && d16) return unit_typed<T, bf16, bf16>(A, n, hv, c0, c1);
-  if (s16) return unit_typed<T, bf16, W>(A, n, hv, c0, c1);
-  if (d16) return unit_typed<T, W, bf16>(A, n, hv, c0, c1);
-  return unit_typed<T, W, W>(A, n, hv, c0, c1);
+  // Storage types, for the source (pool / initial state) and the destination (pool in place, or
+  // the fresh final state): fp32 or bf16, and fp64 for fp64 inputs. An fp32 pool with fp64
+  // inputs is addressed as fp32 (never as the compute type: it is written in place, snapshots
+  // included). The op converts anything else (only read-only sources).
+  switch (A.src_type) {
+    case StateType::kBF16:
+      return unit_dst<T, bf16>(A, n, hv, c0, c1);
+    case StateType::kF32:
+      return unit_dst<T, float>(A, n, hv, c0, c1);
+    case StateType::kF64:
+      if constexpr (std::is_same<T, double>::value) return unit_dst<T, double>(A, n, hv, c0, c1);
+      break;
+  }
+  std::abort();
 }
 
 const ServingTable kServingTable = {KDA_SSTR(KDA_ISA), &unit<float>, &unit<double>};

@@ -145,6 +145,19 @@ def test_low_precision_inputs_are_accurate(dtype, method):
     assert rel_err(s, s_ref) < 1e-5
 
 
+@pytest.mark.parametrize("gate", ["none", "softplus"])
+@pytest.mark.parametrize("method", ["fused_recurrent_kda", "chunk_kda"])
+def test_wider_g_than_qkv_computes_in_the_qkv_dtype(gate, method):
+    """fp32 q/k/v with an fp64 g (raw gate input or log-decay): fp32 arithmetic, fp32 outputs (the
+    recurrent scan once promoted its state to fp64 through the gate and failed in einsum)."""
+    p = make_problem(B=1, T=20, H=1, HV=2, K=8, V=4, gate=gate, seed=13)
+    o_ref, s_ref = oracle_kda(*p.args, **p.kwargs)
+    p32 = p.to(torch.float32)
+    o, s = getattr(reference, method)(*p32.args[:3], p.g, p32.beta, **p32.kwargs)
+    assert o.dtype == s.dtype == torch.float32
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+
 def test_chunk_is_causal_in_outputs_and_gradients():
     p = make_problem(B=1, T=20, H=1, HV=1, K=4, V=3, gate="bounded", seed=12).to(
         torch.float64, requires_grad=True)

@@ -100,7 +100,7 @@ def _prepare(x: KDAInputs) -> Tuple[torch.Tensor, ...]:
         q = q.repeat_interleave(group, dim=2)
         k = k.repeat_interleave(group, dim=2)
     if x.use_gate_in_kernel:
-        g = _gate(x.g, x.A_log, x.dt_bias, x.lower_bound)
+        g = _gate(x.g.to(dtype), x.A_log, x.dt_bias, x.lower_bound)  # g may be wider (fp64)
     else:
         g = x.g.to(dtype)
     beta = x.beta.to(dtype)

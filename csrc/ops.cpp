@@ -825,28 +825,53 @@ void fused_recurrent_serving_autograd(KDA_SERVING_ARGS) {
 
 // ---- public C++ API ---------------------------------------------------------------------------
 
+namespace {
+
+// scale's default, K ** -0.5 (q's last dimension), after the checks that reading K needs.
+double default_scale(const at::Tensor& q, const FusedRecurrentOptions& o, const char* who) {
+  TORCH_CHECK_TYPE(q.defined(), who, "q must be a defined tensor");
+  TORCH_CHECK_VALUE(q.dim() == 4, who, "q must be 4-D [B, T, H, K], got shape ", q.sizes());
+  return o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+}
+
+// Whether the options (or a head-wise beta) ask for the serving path (docs/serving.md).
+bool is_serving_call(const at::Tensor& beta, const FusedRecurrentOptions& o) {
+  return o.ssm_state_indices || o.num_accepted_tokens || o.inplace_final_state || o.out ||
+         (beta.defined() && beta.dim() == 4);
+}
+
+using PlainOp = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    double, const std::optional<at::Tensor>&, bool, bool, bool, bool, std::optional<double>, bool,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&);
+
+c10::TypedOperatorHandle<PlainOp> plain_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<PlainOp>();
+}
+
+// kda::fused_recurrent or kda::chunk (one schema) through the dispatcher, so that autograd,
+// Meta and any other registered kernel apply as they do from Python.
+std::tuple<at::Tensor, at::Tensor> call_plain_op(const c10::TypedOperatorHandle<PlainOp>& op,
+                                                 const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v, const at::Tensor& g,
+                                                 const at::Tensor& beta, double scale,
+                                                 const FusedRecurrentOptions& o) {
+  return op.call(q, k, v, g, beta, scale, o.initial_state, o.use_qk_l2norm_in_kernel,
+                 o.use_gate_in_kernel, o.use_beta_sigmoid_in_kernel, o.allow_neg_eigval,
+                 o.lower_bound, o.state_v_first, o.cu_seqlens, o.A_log, o.dt_bias);
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> fused_recurrent(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v, const at::Tensor& g,
                                                    const at::Tensor& beta,
                                                    const FusedRecurrentOptions& o) {
-  TORCH_CHECK_TYPE(q.defined(), "kda::fused_recurrent: q must be a defined tensor");
-  TORCH_CHECK_VALUE(q.dim() == 4, "kda::fused_recurrent: q must be 4-D [B, T, H, K], got shape ",
-              q.sizes());
-  const double scale = o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kda::fused_recurrent", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, const at::Tensor&, double,
-                           const std::optional<at::Tensor>&, bool, bool, bool, bool,
-                           std::optional<double>, bool, const std::optional<at::Tensor>&,
-                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
-  const bool serving = o.ssm_state_indices || o.num_accepted_tokens || o.inplace_final_state ||
-                       o.out || (beta.defined() && beta.dim() == 4);
-  if (!serving) {
-    return op.call(q, k, v, g, beta, scale, o.initial_state, o.use_qk_l2norm_in_kernel,
-                   o.use_gate_in_kernel, o.use_beta_sigmoid_in_kernel, o.allow_neg_eigval,
-                   o.lower_bound, o.state_v_first, o.cu_seqlens, o.A_log, o.dt_bias);
+  const double scale = default_scale(q, o, "kda::fused_recurrent: ");
+  if (!is_serving_call(beta, o)) {
+    static const auto op = plain_op("kda::fused_recurrent");
+    return call_plain_op(op, q, k, v, g, beta, scale, o);
   }
   // Serving call: the outputs are allocated here (the op writes into them) and the op checks
   // everything before writing.
@@ -867,6 +892,21 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent(const at::Tensor& q, const at
            o.use_gate_in_kernel, o.use_beta_sigmoid_in_kernel, o.allow_neg_eigval, o.lower_bound,
            o.state_v_first, o.cu_seqlens, o.A_log, o.dt_bias);
   return {out, o.inplace_final_state ? *o.initial_state : *final_state};
+}
+
+std::tuple<at::Tensor, at::Tensor> chunk(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const at::Tensor& g,
+                                         const at::Tensor& beta, const FusedRecurrentOptions& o) {
+  const double scale = default_scale(q, o, "kda::chunk: ");
+  // The chunkwise kernels have no state pool: a serving option would otherwise be dropped silently.
+  TORCH_CHECK_VALUE(!is_serving_call(beta, o), "kda::chunk: the serving options "
+                    "(ssm_state_indices, num_accepted_tokens, inplace_final_state, out, a "
+                    "head-wise beta [B, T, HV, V]) are not supported by the chunkwise form; use "
+                    "kda::fused_recurrent for serving calls (docs/serving.md)");
+  TORCH_CHECK_VALUE(o.pad_slot_id == -1, "kda::chunk: pad_slot_id is a serving option (it marks "
+                    "pad entries of ssm_state_indices) and must stay -1, got ", o.pad_slot_id);
+  static const auto op = plain_op("kda::chunk");
+  return call_plain_op(op, q, k, v, g, beta, scale, o);
 }
 
 const char* cpu_kernel_isa() { return kernels::table().isa; }

@@ -37,6 +37,8 @@ int main() {
     auto v = v_proj(x).view({B, T, H, V});
     auto g = f_proj(x).view({B, T, H, K});
     auto beta = b_proj(x);
+    // kda::chunk(q, k, v, g, beta, o) is the chunkwise form: same arguments, results (to
+    // rounding) and gradients, faster for long sequences.
     auto [out, final_state] = kda::fused_recurrent(q, k, v, g, beta, o);
     auto loss = torch::mse_loss(out, target);
     opt.zero_grad();

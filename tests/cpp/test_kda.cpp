@@ -1,4 +1,6 @@
-// GoogleTest suite for the native KDA op, through the public C++ API (kda/kda.h).
+// GoogleTest suite for the native KDA ops, through the public C++ API (kda/kda.h): every oracle
+// test runs for both forms, kda::fused_recurrent and kda::chunk (chunks of 64 tokens; the shapes
+// below cross chunk boundaries and include sequences shorter than one chunk).
 // The oracle is a naive per-token loop written with ATen ops (differentiable, float64).
 #include <kda/kda.h>
 
@@ -104,11 +106,29 @@ kda::FusedRecurrentOptions full_options(const Data& d) {
   return o;
 }
 
-TEST(FusedRecurrent, ForwardMatchesNaiveLoopGvaGateNormSigmoid) {
+// The two public forms share one signature, options and contract.
+using KdaFn = std::tuple<Tensor, Tensor> (*)(const Tensor&, const Tensor&, const Tensor&,
+                                             const Tensor&, const Tensor&,
+                                             const kda::FusedRecurrentOptions&);
+struct Form {
+  const char* name;
+  KdaFn fn;
+};
+
+class Forms : public ::testing::TestWithParam<Form> {
+ protected:
+  std::tuple<Tensor, Tensor> kda_op(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& g, const Tensor& beta,
+                                    const kda::FusedRecurrentOptions& o) const {
+    return GetParam().fn(q, k, v, g, beta, o);
+  }
+};
+
+TEST_P(Forms, ForwardMatchesNaiveLoopGvaGateNormSigmoid) {
   Problem p;
   const Data d = make_data(p, 1);
   const auto o = full_options(d);
-  auto [out, st] = kda::fused_recurrent(d.q, d.k, d.v, d.g, d.beta, o);
+  auto [out, st] = kda_op(d.q, d.k, d.v, d.g, d.beta, o);
   auto [ro, rs] = naive(d.q, d.k, d.v, d.g, d.beta, 0.37, o);
   EXPECT_EQ(out.sizes(), ro.sizes());
   EXPECT_EQ(out.scalar_type(), at::kDouble);
@@ -116,7 +136,7 @@ TEST(FusedRecurrent, ForwardMatchesNaiveLoopGvaGateNormSigmoid) {
   EXPECT_LT(rel_err(st, rs), 1e-12);
 }
 
-TEST(FusedRecurrent, ForwardBoundedGateNegEigvalStateVFirst) {
+TEST_P(Forms, ForwardBoundedGateNegEigvalStateVFirst) {
   Problem p;
   p.K = 9;
   p.V = 40;  // two V-slices
@@ -127,31 +147,31 @@ TEST(FusedRecurrent, ForwardBoundedGateNegEigvalStateVFirst) {
   auto [ro, rs] = naive(d.q, d.k, d.v, d.g, d.beta, 0.37, o);
   o.state_v_first = true;
   o.initial_state = d.h0.transpose(-1, -2).contiguous();
-  auto [out, st] = kda::fused_recurrent(d.q, d.k, d.v, d.g, d.beta, o);
+  auto [out, st] = kda_op(d.q, d.k, d.v, d.g, d.beta, o);
   EXPECT_LT(rel_err(out, ro), 1e-12);
   EXPECT_EQ(st.sizes(), at::IntArrayRef({p.B, p.HV, p.V, p.K}));
   EXPECT_LT(rel_err(st.transpose(-1, -2), rs), 1e-12);
 }
 
-TEST(FusedRecurrent, Float32AndBFloat16Outputs) {
+TEST_P(Forms, Float32AndBFloat16Outputs) {
   Problem p;
   const Data d = make_data(p, 3);
   const auto o = full_options(d);
   auto [ro, rs] = naive(d.q, d.k, d.v, d.g, d.beta, 0.37, o);
   auto f = [](const Tensor& t, at::ScalarType s) { return t.to(s); };
-  auto [o32, s32] = kda::fused_recurrent(f(d.q, at::kFloat), f(d.k, at::kFloat),
+  auto [o32, s32] = kda_op(f(d.q, at::kFloat), f(d.k, at::kFloat),
                                          f(d.v, at::kFloat), d.g, d.beta, o);
   EXPECT_EQ(o32.scalar_type(), at::kFloat);
   EXPECT_EQ(s32.scalar_type(), at::kFloat);
   EXPECT_LT(rel_err(o32, ro), 1e-5);
-  auto [o16, s16] = kda::fused_recurrent(f(d.q, at::kBFloat16), f(d.k, at::kBFloat16),
+  auto [o16, s16] = kda_op(f(d.q, at::kBFloat16), f(d.k, at::kBFloat16),
                                          f(d.v, at::kBFloat16), d.g, d.beta, o);
   EXPECT_EQ(o16.scalar_type(), at::kBFloat16);
   EXPECT_EQ(s16.scalar_type(), at::kFloat);
   EXPECT_LT(rel_err(o16, ro), 3e-2);
 }
 
-TEST(FusedRecurrent, VarlenMatchesPerSequence) {
+TEST_P(Forms, VarlenMatchesPerSequence) {
   Problem p;
   p.B = 1;
   p.T = 150;
@@ -163,7 +183,7 @@ TEST(FusedRecurrent, VarlenMatchesPerSequence) {
   auto o = full_options(d);
   o.initial_state = h0;
   o.cu_seqlens = at::tensor(cu, at::kLong);
-  auto [out, st] = kda::fused_recurrent(d.q, d.k, d.v, d.g, d.beta, o);
+  auto [out, st] = kda_op(d.q, d.k, d.v, d.g, d.beta, o);
   for (int64_t n = 0; n < N; ++n) {
     auto sl = [&](const Tensor& t) { return t.slice(1, cu[n], cu[n + 1]); };
     auto on = o;
@@ -175,22 +195,22 @@ TEST(FusedRecurrent, VarlenMatchesPerSequence) {
   }
   // int32 offsets give the same result.
   o.cu_seqlens = at::tensor(cu, at::kLong).to(at::kInt);
-  auto [out2, st2] = kda::fused_recurrent(d.q, d.k, d.v, d.g, d.beta, o);
+  auto [out2, st2] = kda_op(d.q, d.k, d.v, d.g, d.beta, o);
   EXPECT_TRUE(at::equal(out, out2));
   EXPECT_TRUE(at::equal(st, st2));
 }
 
-TEST(FusedRecurrent, EmptySequencePassesStateThrough) {
+TEST_P(Forms, EmptySequencePassesStateThrough) {
   Problem p;
   p.T = 0;
   const Data d = make_data(p, 5);
   const auto o = full_options(d);
-  auto [out, st] = kda::fused_recurrent(d.q, d.k, d.v, d.g, d.beta, o);
+  auto [out, st] = kda_op(d.q, d.k, d.v, d.g, d.beta, o);
   EXPECT_EQ(out.sizes(), at::IntArrayRef({p.B, 0, p.HV, p.V}));
   EXPECT_TRUE(at::equal(st, d.h0));
 }
 
-TEST(FusedRecurrent, BackwardMatchesAutogradThroughNaiveLoop) {
+TEST_P(Forms, BackwardMatchesAutogradThroughNaiveLoop) {
   for (bool bounded : {false, true}) {
     Problem p;
     p.T = 70;  // crosses a checkpoint boundary (64)
@@ -217,7 +237,7 @@ TEST(FusedRecurrent, BackwardMatchesAutogradThroughNaiveLoop) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(66);
     Tensor wo = at::randn({p.B, p.T, p.HV, p.V}, gen, at::kDouble);
     Tensor ws = at::randn({p.B, p.HV, p.K, p.V}, gen, at::kDouble);
-    auto [o1, s1] = kda::fused_recurrent(a[0], a[1], a[2], a[3], a[4], mk(a));
+    auto [o1, s1] = kda_op(a[0], a[1], a[2], a[3], a[4], mk(a));
     ((o1 * wo).sum() + (s1 * ws).sum()).backward();
     auto [o2, s2] = naive(b[0], b[1], b[2], b[3], b[4], 0.37, mk(b));
     ((o2 * wo).sum() + (s2 * ws).sum()).backward();
@@ -230,13 +250,13 @@ TEST(FusedRecurrent, BackwardMatchesAutogradThroughNaiveLoop) {
   }
 }
 
-TEST(FusedRecurrent, SecondOrderGradientNamesReferenceBackend) {
+TEST_P(Forms, SecondOrderGradientNamesReferenceBackend) {
   Problem p;
   p.T = 5;
   const Data d = make_data(p, 7);
   Tensor q = d.q.clone().requires_grad_(true);
   auto o = full_options(d);
-  auto [out, st] = kda::fused_recurrent(q, d.k, d.v, d.g, d.beta, o);
+  auto [out, st] = kda_op(q, d.k, d.v, d.g, d.beta, o);
   auto gq = torch::autograd::grad({out.sum()}, {q}, {}, true, true)[0];
   try {
     gq.sum().backward();
@@ -246,7 +266,7 @@ TEST(FusedRecurrent, SecondOrderGradientNamesReferenceBackend) {
   }
 }
 
-TEST(FusedRecurrent, BitwiseIdenticalForOneAndTwoThreads) {
+TEST_P(Forms, BitwiseIdenticalForOneAndTwoThreads) {
   Problem p;
   p.B = 1;
   p.T = 130;
@@ -260,7 +280,7 @@ TEST(FusedRecurrent, BitwiseIdenticalForOneAndTwoThreads) {
     std::vector<Tensor> x = {d.q.clone().requires_grad_(true), d.k.clone().requires_grad_(true),
                              d.v.clone().requires_grad_(true), d.g.clone().requires_grad_(true)};
     auto o = full_options(d);
-    auto [out, st] = kda::fused_recurrent(x[0], x[1], x[2], x[3], d.beta, o);
+    auto [out, st] = kda_op(x[0], x[1], x[2], x[3], d.beta, o);
     (out.square().sum() + st.sum()).backward();
     return std::vector<Tensor>{out, st, x[0].grad(), x[1].grad(), x[2].grad(), x[3].grad()};
   };
@@ -271,17 +291,22 @@ TEST(FusedRecurrent, BitwiseIdenticalForOneAndTwoThreads) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "tensor " << i;
 }
 
-TEST(FusedRecurrent, NonContiguousInputsAreNotModified) {
+TEST_P(Forms, NonContiguousInputsAreNotModified) {
   Problem p;
   const Data d = make_data(p, 9);
   const auto o = full_options(d);
   Tensor qt = d.q.transpose(1, 2).contiguous().transpose(1, 2);  // same values, other strides
   Tensor kc = d.k.clone();
-  auto [out, st] = kda::fused_recurrent(qt, d.k, d.v, d.g, d.beta, o);
-  auto [ref, rs] = kda::fused_recurrent(d.q, d.k, d.v, d.g, d.beta, o);
+  auto [out, st] = kda_op(qt, d.k, d.v, d.g, d.beta, o);
+  auto [ref, rs] = kda_op(d.q, d.k, d.v, d.g, d.beta, o);
   EXPECT_TRUE(at::equal(out, ref));
   EXPECT_TRUE(at::equal(kc, d.k));
 }
+
+INSTANTIATE_TEST_SUITE_P(KDA, Forms,
+                         ::testing::Values(Form{"fused_recurrent", &kda::fused_recurrent},
+                                           Form{"chunk", &kda::chunk}),
+                         [](const ::testing::TestParamInfo<Form>& i) { return i.param.name; });
 
 // ---- bad calls: c10::Error with a message, never a crash --------------------------------------
 
@@ -292,9 +317,9 @@ class BadCalls : public ::testing::Test {
   kda::FusedRecurrentOptions o = full_options(d);
   void expect_error(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                     const Tensor& beta, const kda::FusedRecurrentOptions& opts,
-                    const std::string& needle) {
+                    const std::string& needle, KdaFn fn = &kda::fused_recurrent) {
     try {
-      kda::fused_recurrent(q, k, v, g, beta, opts);
+      fn(q, k, v, g, beta, opts);
       ADD_FAILURE() << "expected c10::Error containing '" << needle << "'";
     } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
@@ -367,6 +392,30 @@ TEST_F(BadCalls, WrongDtypesAndFlags) {
   o2.use_beta_sigmoid_in_kernel = false;
   o2.allow_neg_eigval = true;
   expect_error(d.q, d.k, d.v, d.g, d.beta, o2, "allow_neg_eigval");
+}
+
+TEST_F(BadCalls, ChunkChecksArgumentsAndRejectsServingOptions) {
+  expect_error(d.q, d.k.slice(3, 0, 3), d.v, d.g, d.beta, o, "k must have shape", &kda::chunk);
+  expect_error(d.q.select(0, 0), d.k, d.v, d.g, d.beta, o, "kda::chunk: q must be 4-D",
+               &kda::chunk);
+  const std::string serving = "not supported by the chunkwise form";
+  auto o2 = o;
+  o2.out = at::empty_like(d.v);
+  expect_error(d.q, d.k, d.v, d.g, d.beta, o2, serving, &kda::chunk);
+  o2 = o;
+  o2.inplace_final_state = true;
+  expect_error(d.q, d.k, d.v, d.g, d.beta, o2, serving, &kda::chunk);
+  o2 = o;
+  o2.ssm_state_indices = at::arange(p.B, at::kLong);
+  expect_error(d.q, d.k, d.v, d.g, d.beta, o2, serving, &kda::chunk);
+  o2 = o;
+  o2.num_accepted_tokens = at::ones({p.B}, at::kLong);
+  expect_error(d.q, d.k, d.v, d.g, d.beta, o2, serving, &kda::chunk);
+  expect_error(d.q, d.k, d.v, d.g, d.beta.unsqueeze(-1).expand({p.B, p.T, p.HV, p.V}), o,
+               serving, &kda::chunk);
+  o2 = o;
+  o2.pad_slot_id = 0;
+  expect_error(d.q, d.k, d.v, d.g, d.beta, o2, "pad_slot_id", &kda::chunk);
 }
 
 }  // namespace

@@ -1,9 +1,9 @@
 // torch-kda: public C++ API of the native Kimi Delta Attention operator.
 //
 // Link the CMake target TorchKDA::kda (find_package(TorchKDA)). Loading the library registers the
-// ops torch.ops.kda.fused_recurrent (+ the internal fused_recurrent_fwd / fused_recurrent_bwd)
-// with CPU, Meta and Autograd kernels; kda::fused_recurrent() below calls the registered op, so
-// gradients flow through it in a pure C++ program (tensor.backward()).
+// ops torch.ops.kda.fused_recurrent and torch.ops.kda.chunk (+ the internal _fwd / _bwd ops) with
+// CPU, Meta and Autograd kernels; kda::fused_recurrent() and kda::chunk() below call the
+// registered ops, so gradients flow through them in a pure C++ program (tensor.backward()).
 //
 // Math: docs/math.md in the repository. Per sequence and value head, t = 1..T:
 //   S'_t = Diag(exp(g_t)) S_{t-1};  u_t = beta_t (v_t - S'_t^T k_t);  S_t = S'_t + k_t u_t^T;
@@ -17,7 +17,8 @@
 
 namespace kda {
 
-// Options of fused_recurrent; the defaults give the plain recurrence.
+// Options of fused_recurrent (and of chunk, without the serving fields); the defaults give the
+// plain recurrence.
 struct FusedRecurrentOptions {
   // Multiplies q; default K ** -0.5.
   std::optional<double> scale;
@@ -76,6 +77,22 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent(const at::Tensor& q, const at
                                                    const at::Tensor& v, const at::Tensor& g,
                                                    const at::Tensor& beta,
                                                    const FusedRecurrentOptions& options = {});
+
+// Chunkwise KDA on CPU tensors: the same recurrence, arguments, results, gradients and errors as
+// fused_recurrent() above (equal to rounding, not bitwise), computed in the chunkwise form of
+// docs/math.md ("Chunkwise form"): chunks of 64 tokens, each a few small matrix products (the
+// intra-chunk triangular solve, then one state update per chunk) instead of one rank-1 update per
+// token; faster for long sequences, while fused_recurrent() is the one for decode (T of 1).
+// Shapes and dtypes: as fused_recurrent(); T need not be a multiple of 64 (the last chunk of each
+// sequence is shorter). Its backward is the chunkwise backward (kda::chunk_bwd). Bitwise identical
+// for any number of threads.
+// Errors: those of fused_recurrent(); the serving fields of FusedRecurrentOptions
+// (ssm_state_indices, num_accepted_tokens, inplace_final_state, out, pad_slot_id != -1) and a
+// head-wise beta [B, T, HV, V] throw c10::ValueError (the serving path is fused_recurrent's).
+std::tuple<at::Tensor, at::Tensor> chunk(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const at::Tensor& g,
+                                         const at::Tensor& beta,
+                                         const FusedRecurrentOptions& options = {});
 
 // Name of the instruction set the CPU kernels use on this machine ("avx512", "avx2", "generic").
 const char* cpu_kernel_isa();

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torch_kda
-from kda_testing import make_problem, rel_err
+from kda_testing import grads, make_problem, rel_err
 from torch_kda import reference
 
 
@@ -28,18 +28,6 @@ def oracle_f64(p):
 
 def native(p):
     return torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="native")
-
-
-def grads(fn, p, seed=123):
-    """Gradients of a random projection of (o, final_state) w.r.t. every tensor input."""
-    ts = p.tensors()
-    o, s = fn(p)
-    gen = torch.Generator().manual_seed(seed)
-    wo = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
-    ws = torch.randn(s.shape, generator=gen, dtype=torch.float64).to(s.dtype)
-    loss = (o * wo).sum() + (s * ws).sum()
-    names = list(ts)
-    return dict(zip(names, torch.autograd.grad(loss, [ts[n] for n in names])))
 
 
 @pytest.mark.parametrize("seqlens", [None, (1000, 0, 60)], ids=["batch", "varlen_with_empty"])

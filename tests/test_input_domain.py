@@ -10,6 +10,7 @@ functions, eager and compiled, and in the native op called directly. Keys whose 
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -91,6 +92,34 @@ def test_unnormalised_keys_warn_and_name_the_l2norm_flag(fn, backend):
         warnings.simplefilter("error")
         o, _ = fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend)
     assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("headwise", [False, True])
+@pytest.mark.parametrize("T", [1, 5])
+def test_unstable_write_warning_names_the_value_head_with_grouped_heads(backend, headwise, T):
+    # H = 2 key heads, HV = 4 value heads: value head 3 reads key head 1. Only (b=1, t=T-1, hv=3)
+    # (and, head-wise, its value column 4) has beta * ||k||^2 > 2; its key head's neighbour hv=2
+    # has the same ||k||^2 = 3 but beta = 0.5.
+    gen = torch.Generator().manual_seed(41)
+    B, H, HV, K, V = 2, 2, 4, 8, 6
+    k = torch.randn(B, T, H, K, generator=gen)
+    k = k / k.norm(dim=-1, keepdim=True) * 0.5 ** 0.5  # ||k||^2 = 0.5
+    k[1, T - 1, 1] *= 6 ** 0.5  # ||k||^2 = 3
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, HV, V, generator=gen)
+    g = -torch.rand(B, T, HV, K, generator=gen) * 0.1
+    beta = torch.full((B, T, HV, V) if headwise else (B, T, HV), 0.5)
+    where = (1, T - 1, 3, 4) if headwise else (1, T - 1, 3)
+    beta[where] = 0.9
+    at = re.escape(str(list(where)))
+    with pytest.warns(UserWarning, match=rf"beta \* \|\|k\|\|\^2 = 2\.7 > 2 at {at} \(beta = 0\.9, "):
+        with torch.no_grad():
+            torch_kda.fused_recurrent_kda(q, k, v, g, beta, backend=backend)
+    beta[where] = 0.6  # 0.6 * 3 = 1.8: stable everywhere
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            torch_kda.fused_recurrent_kda(q, k, v, g, beta, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -634,18 +634,29 @@ def warn_unstable_writes(x: KDAInputs) -> None:
 
 @_outside_graph  # data-dependent: runs eagerly under torch.compile (a graph break)
 def _warn_unstable_writes(x: KDAInputs) -> None:
+    # A decode loop runs this on every call: a handful of ops (one dot product per key head, one
+    # product per value head, one comparison); the index and values are looked up only to warn.
     with torch.no_grad():
-        beta = x.beta.to(x.compute_dtype)
+        ct = x.compute_dtype
+        k = x.k if x.k.dtype == ct else x.k.to(ct)
+        beta = x.beta if x.beta.dtype == ct else x.beta.to(ct)
         if x.use_beta_sigmoid_in_kernel:
             beta = torch.sigmoid(beta) * (2.0 if x.allow_neg_eigval else 1.0)
-        kn2 = x.k.to(x.compute_dtype).pow(2).sum(-1).repeat_interleave(x.HV // x.H, dim=2)
-        bad = beta * kn2 > 2
-        if bool(bad.any()):
-            flat = int(bad.flatten().nonzero()[0])
-            b, n2 = beta.flatten()[flat].item(), kn2.flatten()[flat].item()
-            warnings.warn(
-                f"beta * ||k||^2 = {b * n2:g} > 2 at {_index(flat, beta.shape)} (beta = {b:g}, "
-                f"||k||^2 = {n2:g}): the write step's factor 1 - beta * ||k||^2 lies outside "
-                "[-1, 1], so the state can grow without bound; pass "
-                "use_qk_l2norm_in_kernel=True (or keep ||k||^2 <= 2 / beta)",
-                UserWarning, stacklevel=5)
+        kn2 = torch.linalg.vecdot(k, k)  # [B, T, H]
+        if beta.dim() == 3 and x.HV == x.H:  # beta [B, T, H] too: no views (each op costs us)
+            grouped = tuple(beta.shape)
+        else:  # beta [B, T, HV(, V)] grouped by key head: [B, T, H, HV // H(, V)], beta's order
+            grouped = (x.B, x.T, x.H, x.HV // x.H) + tuple(beta.shape[3:])
+            kn2 = kn2.view(x.B, x.T, x.H, *([1] * (len(grouped) - 3)))
+            beta = beta.reshape(grouped)
+        bad = (beta * kn2).gt_(2)
+        if not bool(bad.any()):
+            return
+        flat = int(bad.flatten().nonzero()[0])
+        b, n2 = beta.flatten()[flat].item(), kn2.expand(grouped).flatten()[flat].item()
+        warnings.warn(
+            f"beta * ||k||^2 = {b * n2:g} > 2 at {_index(flat, x.beta.shape)} (beta = {b:g}, "
+            f"||k||^2 = {n2:g}): the write step's factor 1 - beta * ||k||^2 lies outside "
+            "[-1, 1], so the state can grow without bound; pass "
+            "use_qk_l2norm_in_kernel=True (or keep ||k||^2 <= 2 / beta)",
+            UserWarning, stacklevel=5)

@@ -2,6 +2,7 @@
 // that runs the fused kernels (csrc/cpu/kernels) over (sequence, value head, V-slice) units.
 #include "cpu/kda_cpu.h"
 #include "cpu/kernels/recurrent_kernels.h"
+#include "cpu/output_cache.h"
 
 #include <ATen/Parallel.h>
 
@@ -528,20 +529,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_forward(const Inputs& in, con
   const Sequences seqs = make_sequences(in, d);
   const at::Tensor h0 = state_kv(in.initial_state, cfg, ct);
 
-  // o in q's dtype, written once (block by block through the workspace when it is not ct).
-  at::Tensor o = at::empty({d.B, d.T, d.HV, d.V}, in.q.options());
-  at::Tensor ht = at::empty({d.N, d.HV, d.K, d.V}, opts);
-  at::Tensor ckpt = with_checkpoints ? at::empty({d.n_slots, d.HV, d.K, d.V}, opts)
+  // o in q's dtype, written once (block by block through the workspace when it is not ct). The
+  // large outputs reuse freed blocks of earlier calls (csrc/cpu/output_cache.h: no page faults).
+  at::Tensor o = empty_output({d.B, d.T, d.HV, d.V}, in.q.options());
+  at::Tensor ht = empty_output({d.N, d.HV, d.K, d.V}, opts);
+  at::Tensor ckpt = with_checkpoints ? empty_output({d.n_slots, d.HV, d.K, d.V}, opts)
                                      : at::empty({0}, opts);
-  advise_huge_pages(o);
-  advise_huge_pages(ht);
-  advise_huge_pages(ckpt);
   if (ct == at::kDouble) {
     run_double(in, cfg, d, seqs, h0, o, ht, ckpt);
   } else {
     run_float(in, cfg, d, seqs, h0, o, ht, ckpt);
   }
-  if (cfg.state_v_first) ht = ht.transpose(-1, -2).contiguous();
+  if (cfg.state_v_first) {
+    at::Tensor t = empty_output({d.N, d.HV, d.V, d.K}, opts);
+    t.copy_(ht.transpose(-1, -2));
+    ht = t;
+  }
   return {o, ht, ckpt};
 }
 

@@ -1,0 +1,176 @@
+"""The native ops take their large outputs (o, the final state, the checkpoints) from a bounded
+per-process cache of freed blocks (csrc/cpu/output_cache.cpp), so a call reuses the pages of the
+previous call's outputs instead of faulting fresh ones in. These tests pin down that reuse
+happens, that the limit on the bytes held is respected, that the results do not change, and
+that the tensors are ordinary tensors (resize, autograd, pickling, freed on another thread).
+
+Shapes: o is T * HV * V * 4 bytes = 1.2 MB and the checkpoints 19 slots of 64 KB (both above the
+1 MB threshold); the final state (64 KB) is below it and comes from the ordinary allocator."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import torch_kda
+from kda_testing import grads, make_problem, rel_err
+from torch_kda import reference
+
+MB = 1 << 20
+
+
+def stats():
+    limit, held, in_use, hits, misses, released = torch.ops.kda._output_cache_stats()
+    return dict(limit=limit, held=held, in_use=in_use, hits=hits, misses=misses, released=released)
+
+
+@pytest.fixture
+def cache_limit():
+    """Sets the cache's limit for one test and restores it afterwards."""
+    old = []
+
+    def set_limit(nbytes):
+        prev = torch.ops.kda._output_cache_set_limit(nbytes)
+        if not old:
+            old.append(prev)
+
+    yield set_limit
+    if old:
+        torch.ops.kda._output_cache_set_limit(old[0])
+
+
+def problem(seed=0, **kw):
+    args = dict(B=1, T=1200, H=4, K=64, V=64, gate="softplus", seed=seed)
+    args.update(kw)
+    return make_problem(**args).to(torch.float32)
+
+
+def native(p):
+    return torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="native")
+
+
+def test_second_call_reuses_the_first_calls_output_block_and_matches_the_reference(cache_limit):
+    cache_limit(256 * MB)
+    p = problem(seed=1)
+    o1, s1 = native(p)
+    o_ref, s_ref = reference.fused_recurrent_kda(*p.to(torch.float64).args,
+                                                 **p.to(torch.float64).kwargs)
+    assert rel_err(o1, o_ref) < 2e-5 and rel_err(s1, s_ref) < 2e-5
+    first = o1.clone()
+    del o1
+    before = stats()
+    assert before["held"] >= first.numel() * 4
+    o2, s2 = native(p)
+    after = stats()
+    assert after["hits"] == before["hits"] + 1
+    assert after["misses"] == before["misses"]
+    assert torch.equal(o2, first)  # the reused block is fully overwritten
+    assert torch.equal(s2, s1)
+
+
+def test_results_are_bitwise_identical_with_the_cache_off(cache_limit):
+    p = problem(seed=2, state_v_first=True, seqlens=(700, 0, 500))
+    cache_limit(256 * MB)
+    native(p)  # leaves blocks with other values in the free list
+    on = [native(p) for _ in range(2)]
+    cache_limit(0)
+    off = native(p)
+    assert stats()["held"] == 0
+    for o_on, s_on in on:
+        assert torch.equal(o_on, off[0]) and torch.equal(s_on, off[1])
+
+
+def test_gradients_through_cached_outputs_and_checkpoints_are_unchanged(cache_limit):
+    p = problem(seed=3)
+    cache_limit(256 * MB)
+    x = p.to(torch.float32, requires_grad=True)
+    g_on = [grads(native, x) for _ in range(2)]
+    assert stats()["hits"] > 0
+    cache_limit(0)
+    g_off = grads(native, x)
+    for g in g_on:
+        for name, t in g_off.items():
+            assert (t is None and g[name] is None) or torch.equal(g[name], t), name
+
+
+def test_the_bytes_held_stay_within_the_limit(cache_limit):
+    cache_limit(3 * MB)  # room for two 1.2 MB blocks, not three
+    p = problem(seed=4)
+    outs = [native(p)[0] for _ in range(4)]
+    nbytes = outs[0].nbytes
+    before = stats()
+    del outs
+    after = stats()
+    assert after["held"] <= 3 * MB
+    assert after["held"] >= 2 * nbytes
+    assert after["released"] >= before["released"] + 2
+    cache_limit(MB)  # a lower limit trims at once
+    assert stats()["held"] <= MB
+
+
+def test_the_cache_off_hands_out_no_cached_blocks(cache_limit):
+    cache_limit(0)
+    before = stats()
+    o, _ = native(problem(seed=5))
+    after = stats()
+    assert after["hits"] == before["hits"] and after["misses"] == before["misses"]
+    assert after["held"] == 0
+    del o
+
+
+def test_cached_outputs_behave_as_ordinary_tensors(cache_limit):
+    cache_limit(256 * MB)
+    p = problem(seed=6)
+    o, _ = native(p)
+    ref = o.clone()
+    # pickling and torch.save round trips
+    assert torch.equal(pickle.loads(pickle.dumps(o)), ref)
+    buf = io.BytesIO()
+    torch.save(o, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf), ref)
+    # views, in-place ops and autograd on the output
+    w = torch.randn(o.shape, dtype=o.dtype, requires_grad=True)
+    (o * w).sum().backward()
+    assert torch.equal(w.grad, ref)
+    o.mul_(2)
+    assert torch.equal(o, 2 * ref)
+    # resize: grows (a new block, contents kept), shrinks, grows past 1 MB again
+    o.resize_(2 * o.numel())
+    assert torch.equal(o[: ref.numel()].view_as(ref), 2 * ref)
+    o.resize_(10)
+    assert torch.equal(o, 2 * ref.flatten()[:10])
+    o.resize_(ref.numel()).copy_(ref.flatten())
+    assert torch.equal(o.view_as(ref), ref)
+
+
+def test_an_output_freed_on_another_thread_returns_to_the_cache(cache_limit):
+    cache_limit(256 * MB)
+    p = problem(seed=7)
+    box = [native(p)[0]]
+    before = stats()
+    t = threading.Thread(target=box.clear)
+    t.start()
+    t.join()
+    after = stats()
+    assert after["held"] > before["held"]
+    assert after["in_use"] < before["in_use"]
+    o, _ = native(p)
+    assert stats()["hits"] == after["hits"] + 1
+    del o
+
+
+@pytest.mark.parametrize("value, limit", [("3", 3 * MB), ("0", 0)])
+def test_the_environment_variable_sets_the_limit(value, limit):
+    env = dict(os.environ, TORCH_KDA_OUTPUT_CACHE_MB=value)
+    code = "import torch, torch_kda; print(torch.ops.kda._output_cache_stats()[0])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert int(out.stdout.strip().splitlines()[-1]) == limit

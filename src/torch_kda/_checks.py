@@ -642,7 +642,9 @@ def _warn_unstable_writes(x: KDAInputs) -> None:
         beta = x.beta if x.beta.dtype == ct else x.beta.to(ct)
         if x.use_beta_sigmoid_in_kernel:
             beta = torch.sigmoid(beta) * (2.0 if x.allow_neg_eigval else 1.0)
-        kn2 = torch.linalg.vecdot(k, k)  # [B, T, H]
+        # [B, T, H]. One reduction pass: vecdot materialises k * k first (a fresh [B, T, H, K]
+        # temporary: 32 MB at T = 4K, H = 16, all pages faulted in, ~10x the time of the norm).
+        kn2 = torch.linalg.vector_norm(k, dim=-1).square_()
         if beta.dim() == 3 and x.HV == x.H:  # beta [B, T, H] too: no views (each op costs us)
             grouped = tuple(beta.shape)
         else:  # beta [B, T, HV(, V)] grouped by key head: [B, T, H, HV // H(, V)], beta's order

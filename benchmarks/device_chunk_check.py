@@ -1,7 +1,10 @@
 """Checks on a new machine before timing the chunk kernel: the CPU features the GEMM library can
 use (AMX tiles, AVX-512 BF16, ATen's cpublas::could_pack for bf16) and the native chunkwise op
 against the recurrent op and float64 on random inputs with strong decays (the multi-versioned
-elementwise code and the GEMM kernels of this CPU). Run: python benchmarks/device_chunk_check.py"""
+elementwise code and the GEMM kernels of this CPU), then which state products the chunk op ran
+for 16-bit inputs (TORCH_KDA_CHUNK_PRODUCTS, csrc/cpu/chunk_products.h: bf16 products change
+the result, so "auto" differing from "fp32" shows them) and their accuracy against float64.
+Run: python benchmarks/device_chunk_check.py"""
 
 from __future__ import annotations
 
@@ -56,6 +59,26 @@ def main() -> None:
         print(dt, "chunk vs fp64: o", rel(oc, o64), "state", rel(sc, s64), "| recurrent vs fp64: o",
               rel(orr, o64), "state", rel(sr, s64))
     ok = rel(oc64, o64) < 1e-11 and rel(torch.ops.kda.chunk(*args(torch.float32))[0], o64) < 1e-5
+    # The products for 16-bit inputs, against float64 on the same (rounded) inputs: FLA's bar is
+    # 0.005 relative RMS for the output.
+    knob = os.environ.get("TORCH_KDA_CHUNK_PRODUCTS")
+    for dt in (torch.bfloat16, torch.float16):
+        r64 = lambda x: x.to(dt).double()
+        ref = torch.ops.kda.fused_recurrent(*((r64(q), r64(k), r64(v), r64(g), r64(beta))
+                                              + args(torch.float64)[5:]))
+        out = {}
+        for mode in ("fp32", "auto", "bf16"):
+            os.environ["TORCH_KDA_CHUNK_PRODUCTS"] = mode
+            out[mode] = torch.ops.kda.chunk(*args(dt))
+        ran = "bf16" if not torch.equal(out["auto"][0], out["fp32"][0]) else "fp32"
+        print(dt, "products under auto:", ran, "| vs fp64 of the rounded inputs:",
+              "; ".join(f"{m}: o {rel(o, ref[0]):.2e} state {rel(s, ref[1]):.2e}"
+                        for m, (o, s) in out.items()))
+        ok = ok and all(rel(o, ref[0]) < 0.005 and rel(s, ref[1]) < 0.005 for o, s in out.values())
+    if knob is None:
+        os.environ.pop("TORCH_KDA_CHUNK_PRODUCTS")
+    else:
+        os.environ["TORCH_KDA_CHUNK_PRODUCTS"] = knob
     print("CHECK", "PASS" if ok else "FAIL")
 
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -55,7 +56,9 @@ FlushDenormals::~FlushDenormals() {
 #endif
 }
 
-void gemm_release() { at::native::cpublas::brgemm_release(/*is_vnni=*/false); }
+void gemm_release(Products products) {
+  at::native::cpublas::brgemm_release(/*is_vnni=*/products == Products::kBf16);
+}
 
 namespace {
 
@@ -86,19 +89,27 @@ inline void dot2(const T* __restrict x, const T* __restrict z, const T* __restri
   rz = az[0];
 }
 
-// dst[c, r] = src[r, c] for r < rows, c < cols (dst row stride ldd), in 8 x 8 tiles.
-template <typename T>
+// dst[c, r] = src[r, c] for r < rows, c < cols (dst row stride ldd), in 8 x 8 tiles; a bf16
+// dst gets the values rounded.
+template <typename T, typename D>
 inline void transpose(const T* __restrict src, int64_t rows, int64_t cols, int64_t lds,
-                      T* __restrict dst, int64_t ldd) {
+                      D* __restrict dst, int64_t ldd) {
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     const int64_t r1 = std::min(rows, r0 + 8);
     for (int64_t c0 = 0; c0 < cols; c0 += 8) {
       const int64_t c1 = std::min(cols, c0 + 8);
       for (int64_t c = c0; c < c1; ++c) {
-        for (int64_t r = r0; r < r1; ++r) dst[c * ldd + r] = src[r * lds + c];
+        for (int64_t r = r0; r < r1; ++r) dst[c * ldd + r] = D(src[r * lds + c]);
       }
     }
   }
+}
+
+// The bf16 products over a chunk's tokens read their A operands up to a multiple of kSub columns
+// (the packed B takes rows in pairs; its rows there are zero): zero columns [from, to) of `rows`
+// rows, so no stale value (possibly inf or NaN) meets those zeros.
+inline void zero_cols(at::BFloat16* a, int64_t rows, int64_t ld, int64_t from, int64_t to) {
+  for (int64_t r = 0; r < rows; ++r) std::fill(a + r * ld + from, a + r * ld + to, at::BFloat16(0.0f));
 }
 
 }  // namespace
@@ -136,6 +147,7 @@ ChunkWork<T>::ChunkWork(T* base, int64_t K, int64_t V) {
 template <typename T>
 KDA_CLONES void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
   const int64_t n = c.n, K = c.K;
+  const bool bf16 = w.prod.mode != Products::kNative;
   // Gam_i = Gam_{i-1} . a_i (a running product from the chunk start).
   T* __restrict run = w.w;
   for (int64_t d = 0; d < K; ++d) run[d] = T(1);
@@ -143,6 +155,15 @@ KDA_CLONES void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
     const T* __restrict a = c.a + i * K;
     const T* __restrict q = c.q + i * K;
     T* __restrict g = w.gam + i * K;
+    if (bf16) {
+      at::BFloat16* __restrict qg = w.prod.qg + i * K;
+      for (int64_t d = 0; d < K; ++d) {
+        run[d] *= a[d];
+        g[d] = run[d];
+        qg[d] = at::BFloat16(static_cast<float>(q[d] * run[d]));
+      }
+      continue;
+    }
     T* __restrict qg = w.qg + i * K;
     for (int64_t d = 0; d < K; ++d) {
       run[d] *= a[d];
@@ -162,7 +183,12 @@ KDA_CLONES void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
       run[d] *= a[d];
     }
   }
-  transpose(w.kr, n, K, K, w.kdecT, kC);
+  if (bf16) {
+    transpose(w.kr, n, K, K, w.prod.kdecT, kC);
+    zero_cols(w.prod.kdecT, K, kC, n, (n + kSub - 1) / kSub * kSub);
+  } else {
+    transpose(w.kr, n, K, K, w.kdecT, kC);
+  }
 }
 
 
@@ -369,8 +395,52 @@ void chunk_intra(const ChunkIn<T>& c, ChunkWork<T>& w) {
   solve_wu(c, w);
 }
 
+namespace {
+
+// state_step with bf16 products (chunk_products.h): S packed once for the two products that read
+// it, Vn once for the two that read it; -W and M rounded from the solve's / intra_am's fp32
+// results, q . Gam and Kdec^T already bf16 (decay_factors). Columns and rows past n up to a
+// multiple of kSub are zero in both operands of the products over the chunk's tokens.
+KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, float* S) {
+  const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
+  const int64_t ncol = (n + kSub - 1) / kSub * kSub;
+  const ProductWork& p = w.prod;
+  float* vn = w.x + K;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* __restrict x = w.x + i * ld;
+    at::BFloat16* __restrict y = p.nw + i * K;
+    for (int64_t d = 0; d < K; ++d) y[d] = at::BFloat16(x[d]);
+    const float* __restrict mr = w.am + (2 * i + 1) * kC;
+    at::BFloat16* __restrict my = p.m + i * kC;
+    for (int64_t j = 0; j < ncol; ++j) my[j] = at::BFloat16(mr[j]);
+  }
+  pack_b(p, K, V, K, S, V, p.s);
+  // Vn = U + (-W) S;  o = (Q . Gam) S
+  gemm16(p, n, V, K, p.nw, K, p.s, vn, ld, /*add=*/true);
+  gemm16(p, n, V, K, p.qg, K, p.s, w.o, V, /*add=*/false);
+  pack_b(p, ncol, V, n, vn, ld, p.vn);
+  // o += M Vn (M is zero above the diagonal: one product over all columns)
+  gemm16(p, n, V, ncol, p.m, kC, p.vn, w.o, V, /*add=*/true);
+  // S <- Diag(Gam_last) S + Kdec^T Vn
+  const float* gl = w.gam + (n - 1) * K;
+  for (int64_t d = 0; d < K; ++d) {
+    const float f = gl[d];
+    float* __restrict s = S + d * V;
+    for (int64_t e = 0; e < V; ++e) s[e] *= f;
+  }
+  gemm16(p, K, V, ncol, p.kdecT, kC, p.vn, S, V, /*add=*/true);
+}
+
+}  // namespace
+
 template <typename T>
 KDA_CLONES void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (w.prod.mode != Products::kNative) {
+      state_step_bf16(c, w, S);
+      return;
+    }
+  }
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
   T* vn = w.x + K;
   // Vn = U + (-W) S

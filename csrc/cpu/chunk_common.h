@@ -31,6 +31,7 @@
 
 #include <cstdint>
 
+#include "cpu/chunk_products.h"
 #include "cpu/kernels/recurrent_kernels.h"
 
 namespace kda {
@@ -72,8 +73,9 @@ void gemm(int64_t M, int64_t N, int64_t Kd, const float* A, int64_t lda, const f
           int64_t ldb, float* C, int64_t ldc, bool add);
 void gemm(int64_t M, int64_t N, int64_t Kd, const double* A, int64_t lda, const double* B,
           int64_t ldb, double* C, int64_t ldc, bool add);
-// Frees the GEMM library's per-thread state; call at the end of each thread's work.
-void gemm_release();
+// Frees the GEMM library's per-thread state (with bf16 products too the AMX tile context, see
+// chunk_products.h); call at the end of each thread's work.
+void gemm_release(Products products = Products::kNative);
 
 // Sets flush-to-zero and denormals-are-zero for the calling thread while alive (x86; no-op
 // elsewhere). Products of decays reach the subnormal range after strong decays, where each
@@ -124,9 +126,12 @@ struct ChunkIn {
 //   kr    [kC, K]        (scratch: factor rows before their transposition)
 //   krT   [K, kC]        (scratch)
 //   w     [K]            (scratch)
+// With bf16 state products (prod.mode, float only; set by the forward) decay_factors writes
+// q . Gam and Kdec^T as bf16 operands into prod (qg and kdecT above are then not written).
 template <typename T>
 struct ChunkWork {
   T *gam, *qg, *kdecT, *am, *na, *x, *rhs, *dinv, *o, *lq, *kr, *krT, *w;
+  ProductWork prod;
   // Elements needed for K, V; every part starts 64-byte aligned if base is.
   static int64_t elems(int64_t K, int64_t V);
   ChunkWork(T* base, int64_t K, int64_t V);
@@ -152,7 +157,8 @@ void chunk_intra(const ChunkIn<T>& c, ChunkWork<T>& w);
 
 // With S [K, V] (row stride V) the state entering the chunk (after chunk_intra):
 //   x's U part becomes Vn = U - W S, o = (Q . Gam) S + M Vn, and S becomes the state leaving
-//   the chunk, Diag(Gam_last) S + Kdec^T Vn.
+//   the chunk, Diag(Gam_last) S + Kdec^T Vn. The four products run in the precision of
+//   w.prod.mode (chunk_products.h); S and Vn stay in T.
 template <typename T>
 void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S);
 

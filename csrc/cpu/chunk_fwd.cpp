@@ -26,7 +26,16 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
                 const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
                 const at::Tensor& ckpt) {
   const int64_t K = d.K, V = d.V, HV = d.HV, H = d.H, KV = K * V;
-  const int64_t work = chunk::ChunkWork<T>::elems(K, V);
+  // bf16 state products for 16-bit inputs (chunk_products.h); fp64 keeps its own.
+  const chunk::Products products = std::is_same_v<T, float>
+      ? chunk::choose_products(in.q.scalar_type(), K, V, cfg.op)
+      : chunk::Products::kNative;
+  const bool bf16 = products != chunk::Products::kNative;
+  // Per thread: the ChunkWork elements, then (bf16 products) the ProductWork bytes, rounded up
+  // to whole 64-byte lines.
+  const int64_t chunk_elems = chunk::up(chunk::ChunkWork<T>::elems(K, V));
+  const int64_t work =
+      chunk_elems + (bf16 ? (chunk::ProductWork::bytes(K, V) + 63) / 64 * 64 / int64_t(sizeof(T)) : 0);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const at::Tensor ws = at::empty({threads * work + 16}, ht.options());
   // 64-byte aligned start (every part of ChunkWork then is too).
@@ -42,6 +51,9 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
       chunk::FlushDenormals ftz;
       const int64_t tid = std::min<int64_t>(at::get_thread_num(), threads - 1);
       chunk::ChunkWork<T> w(ws0 + tid * work, K, V);
+      if (bf16) {
+        w.prod = chunk::ProductWork(products, ws0 + tid * work + chunk_elems, K, V);
+      }
       for (int64_t u = ub; u < ue; ++u) {
         const int64_t n = u / HV, hv = u % HV, h = hv / (HV / H);
         const int64_t ts = seqs.start[n];
@@ -83,7 +95,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
           t0 = t1;
         }
       }
-      chunk::gemm_release();
+      chunk::gemm_release(products);
     });
   });
 }

@@ -215,7 +215,10 @@ def chunk_kda(
 
     The ``"reference"`` backend runs the chunkwise form (docs/math.md "Chunkwise form"; Kimi Linear
     report Eq. 10); ``"native"`` runs the C++ chunkwise kernel ``torch.ops.kda.chunk`` (matrix
-    products over chunks of 64 tokens, fp32 products and accumulation, fp64 for fp64 inputs; same
+    products over chunks of 64 tokens, fp32 products and accumulation, fp64 for fp64 inputs; for
+    bf16 / fp16 inputs the state products take bf16 operands with fp32 accumulation on CPUs with
+    AMX, within FLA's accuracy bar, as FLA's kernels do; the environment variable
+    ``TORCH_KDA_CHUNK_PRODUCTS=auto|fp32|bf16`` chooses, docs/math.md "Chunkwise form"; same
     result as the recurrent kernel to rounding); ``"fla"`` calls FLA's Triton kernels. The native
     kernel always uses chunks of 64 tokens: ``chunk_size`` changes only the reference's chunk
     length and the spacing of ``return_intermediate_states``, never the native result.

@@ -976,6 +976,8 @@ def serving_main(argv: Optional[Sequence[str]] = None) -> None:
     args = p.parse_args(argv)
     load = os.getloadavg()
     rows = serving_rows(args.batches, args.threads, reps=args.reps)
+    print(f"chunk state products: TORCH_KDA_CHUNK_PRODUCTS="
+          f"{os.environ.get('TORCH_KDA_CHUNK_PRODUCTS') or 'auto'} (docs/math.md 'Chunkwise form')")
     print(f"load average before the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
           f"after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(format_serving(rows))
@@ -1099,6 +1101,8 @@ def chunk_main(argv: Optional[Sequence[str]] = None) -> None:
     rows = chunk_rows(seq_lens, args.heads, args.threads, args.dtypes, args.modes, reps, args.batch)
     print(f"machine: {info['cpu']} ({info['logical_cpus']} logical CPUs); torch {info['torch']}; "
           f"commit {info['commit']}; threads {args.threads}")
+    print(f"chunk state products: TORCH_KDA_CHUNK_PRODUCTS="
+          f"{os.environ.get('TORCH_KDA_CHUNK_PRODUCTS') or 'auto'} (docs/math.md 'Chunkwise form')")
     print(f"load average before the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
           f"after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(format_chunk(rows))

@@ -85,8 +85,10 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent(const at::Tensor& q, const at
 // token; faster for long sequences, while fused_recurrent() is the one for decode (T of 1).
 // Shapes and dtypes: as fused_recurrent(); T need not be a multiple of 64 (the last chunk of each
 // sequence is shorter). Its backward is the chunkwise backward (kda::chunk_bwd). Bitwise identical
-// for any number of threads.
-// Errors: those of fused_recurrent(); the serving fields of FusedRecurrentOptions
+// for any number of threads. For bf16 / fp16 inputs on CPUs with AMX the state products take
+// bf16 operands with fp32 accumulation (environment TORCH_KDA_CHUNK_PRODUCTS=auto|fp32|bf16, read
+// at each call; docs/math.md "Chunkwise form").
+// Errors: those of fused_recurrent(); an unknown TORCH_KDA_CHUNK_PRODUCTS value; the serving fields of FusedRecurrentOptions
 // (ssm_state_indices, num_accepted_tokens, inplace_final_state, out, pad_slot_id != -1) and a
 // head-wise beta [B, T, HV, V] throw c10::ValueError (the serving path is fused_recurrent's).
 std::tuple<at::Tensor, at::Tensor> chunk(const at::Tensor& q, const at::Tensor& k,

@@ -1,0 +1,71 @@
+// Precision of the chunk forward's state products (csrc/cpu/chunk_common.h, state_step):
+//   Vn = U - W S,   o = (Q . Gam) S + M Vn,   S <- Diag(Gam_last) S + Kdec^T Vn.
+// For bf16 / fp16 INPUTS these may run with bf16 operands and fp32 accumulation (the matrix
+// engines of server CPUs: AMX tiles through ATen's cpublas::brgemm on VNNI-packed B operands).
+// The running state, U and the outputs stay fp32; S and Vn are rounded to bf16 only as product
+// operands (FLA's chunk kernels do the same). fp32 / fp64 inputs always keep fp32 / fp64 products.
+//
+// One knob, the environment variable TORCH_KDA_CHUNK_PRODUCTS, read at each call:
+//   auto (default)  bf16 products for 16-bit inputs where the CPU packs bf16 for the GEMM library
+//                   (cpublas::could_pack(kBFloat16): AMX); fp32 products elsewhere, where bf16
+//                   products would run ATen's slow fallback;
+//   fp32            fp32 products always;
+//   bf16            bf16 products for 16-bit inputs everywhere: the real ones where the CPU packs
+//                   bf16, else an emulation with the same numerics (operands rounded to bf16, their
+//                   products exact in fp32, fp32 accumulation through the fp32 GEMM) so the code
+//                   path and its accuracy are testable on any CPU.
+// bf16 products need K and V multiples of 16 (the packed layout's column blocks of 16..64 and
+// the pairs of rows of VNNI); other head sizes keep fp32 products.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace kda {
+namespace detail {
+namespace chunk {
+
+enum class Products {
+  kNative,        // the compute dtype's products (fp32 for 16-bit inputs)
+  kBf16,          // bf16 operands, fp32 accumulation, packed B (AMX)
+  kBf16Emulated,  // the same numerics through the fp32 GEMM
+};
+
+// The products of a chunk forward with inputs of dtype `input` and head sizes K, V (reads
+// TORCH_KDA_CHUNK_PRODUCTS; an unknown value raises c10::Error naming it; `op` prefixes it).
+Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op);
+
+// Per-thread operands of the bf16 state products, in one buffer of bytes(K, V) bytes (64-byte
+// aligned parts if base is). A operands (bf16, row-major, zero past the chunk's rows/columns
+// where a product reads them):
+//   qg    [kC, K]   (q_i . Gam_i), written by decay_factors
+//   kdecT [K, kC]   end-decayed keys, transposed, written by decay_factors
+//   nw    [kC, K]   -W (from the solve)
+//   m     [kC, kC]  M
+// B operands (S and Vn, rounded to bf16, laid out by pack_b):
+//   s, vn           packed (kBf16) or rounded fp32 (kBf16Emulated)
+//   round           [max(K, kC), V] bf16 staging of a B operand before packing
+//   fa              [max(K, kC), max(K, kC)] fp32 (emulation: an A operand widened)
+struct ProductWork {
+  Products mode = Products::kNative;
+  at::BFloat16 *qg = nullptr, *kdecT = nullptr, *nw = nullptr, *m = nullptr, *round = nullptr;
+  void *s = nullptr, *vn = nullptr;
+  float* fa = nullptr;
+  static int64_t bytes(int64_t K, int64_t V);
+  ProductWork(Products mode, void* base, int64_t K, int64_t V);
+  ProductWork() = default;
+};
+
+// Rounds rows [0, rows) of the fp32 matrix src [Kd, N] (row stride lds) to bf16, zero rows
+// [rows, Kd), and lays the result out as the B operand of gemm16 in dst (Kd, N multiples of 16).
+void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, const float* src,
+            int64_t lds, void* dst);
+
+// C[M, N] (+)= A[M, Kd] B[Kd, N]: A bf16 row-major (stride lda), B from pack_b, fp32 C.
+void gemm16(const ProductWork& p, int64_t M, int64_t N, int64_t Kd, const at::BFloat16* A,
+            int64_t lda, const void* B, float* C, int64_t ldc, bool add);
+
+}  // namespace chunk
+}  // namespace detail
+}  // namespace kda

@@ -1,0 +1,146 @@
+"""bf16 state products of the native chunk forward (csrc/cpu/chunk_products.h).
+
+With ``TORCH_KDA_CHUNK_PRODUCTS=bf16`` the chunk forward's state products (Vn = U - W S,
+o = (Q . Gam) S + M Vn, S += Kdec^T Vn) take bf16 operands with fp32 accumulation for bf16 / fp16
+inputs: the AMX kernels where the CPU has them, else an emulation with the same numerics (the path
+these tests take on a CPU without bf16 matrix hardware). Checked: FLA's accuracy bar (output 0.005,
+gradients 0.008 relative RMS) over the feature grid and strong decays, bitwise determinism across
+thread counts, fp32 inputs untouched, head sizes the products do not take, and the knob's errors.
+K and V are multiples of 16 (the bf16 products need them); shapes stay small.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kda_testing import GATES, grads, make_problem, op_args, rel_err
+from oracle import oracle_kda
+from torch_kda import reference
+
+SEQLENS = (70, 0, 1, 13, 66, 40)  # empty, shorter than a chunk, starting inside a chunk
+KNOB = "TORCH_KDA_CHUNK_PRODUCTS"
+
+
+def chunk(p, products, monkeypatch):
+    monkeypatch.setenv(KNOB, products)
+    return torch.ops.kda.chunk(*op_args(p))
+
+
+def rounded_oracle(p):
+    """float64 oracle on the low-precision inputs themselves (FLA's measure: the kernel's error,
+    not the rounding of the inputs)."""
+    return oracle_kda(*p.to(torch.float64).args, **p.to(torch.float64).kwargs)
+
+
+CASES = list(itertools.product(GATES, (False, True), (False, True),
+                               (torch.bfloat16, torch.float16)))
+
+
+@pytest.mark.parametrize("gate,varlen,state_v_first,dtype", CASES)
+def test_bf16_products_meet_fla_ratio_every_feature(gate, varlen, state_v_first, dtype,
+                                                    monkeypatch):
+    seed = abs(hash((gate, varlen, state_v_first, str(dtype)))) % 10_000
+    exact = make_problem(B=2, T=150, H=2, HV=4, K=32, V=16, gate=gate,
+                         neg_eigval=gate == "bounded", state_v_first=state_v_first,
+                         seqlens=SEQLENS if varlen else None, seed=seed)
+    p = exact.to(dtype)
+    o, s = chunk(p, "bf16", monkeypatch)
+    o32, s32 = chunk(p, "fp32", monkeypatch)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    assert not torch.equal(o, o32)  # the bf16 products ran
+    o_or, s_or = rounded_oracle(p)
+    assert rel_err(o, o_or) <= 0.005 and rel_err(s, s_or) <= 0.005
+    # Against the exact inputs too (with the rounding of the inputs); for bf16 inputs no worse
+    # than twice the fp32-product kernel (fp16 inputs are rounded finer than bf16 operands).
+    o_ex, s_ex = oracle_kda(*exact.args, **exact.kwargs)
+    assert rel_err(o, o_ex) <= 0.005 and rel_err(s, s_ex) <= 0.005
+    if dtype == torch.bfloat16:
+        assert rel_err(o, o_ex) <= 2 * rel_err(o32, o_ex)
+        assert rel_err(s, s_ex) <= 2 * rel_err(s32, s_ex)
+
+
+def _strong(kind, seed=31):
+    p = make_problem(B=1, T=200, H=1, HV=2, K=16, V=32, gate="none", seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    g = p.g.clone()
+    if kind == "strong":        # per-step decays down to -1e4 and a full forget
+        g[:, 10:20] = -1e4
+        g[:, 70:75, :, :4] = -300.0
+        g[:, 150, 1] = float("-inf")
+    elif kind == "strong_then_weak":
+        g = -torch.rand(g.shape, generator=gen, dtype=torch.float64) * 1e-3
+        g[:, 3] = -60.0
+        g[:, 66] = -80.0
+        g[:, 130] = -1e3
+    else:                       # 16-token blocks too strong for the factored form
+        g = g * 0.2 - 6.0
+        g[:, 40:60] = -40.0
+    p.g = g.contiguous()
+    return p
+
+
+@pytest.mark.parametrize("kind", ["strong", "strong_then_weak", "block_split"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bf16_products_with_strong_decays(kind, dtype, monkeypatch):
+    p = _strong(kind).to(dtype)
+    o, s = chunk(p, "bf16", monkeypatch)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    o_or, s_or = rounded_oracle(p)
+    assert rel_err(o, o_or) <= 0.005 and rel_err(s, s_or) <= 0.005
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gradients_through_bf16_product_forward(dtype, monkeypatch):
+    # The backward recomputes from the forward's checkpoints, here made with bf16 products.
+    monkeypatch.setenv(KNOB, "bf16")
+    p = make_problem(B=1, T=150, H=1, HV=2, K=16, V=32, gate="softplus", seed=17,
+                     seqlens=(90, 3, 57))
+    g_ref = grads(lambda x: reference.fused_recurrent_kda(*x.args, **x.kwargs),
+                  p.to(torch.float64, requires_grad=True))
+    g_nat = grads(lambda x: torch.ops.kda.chunk(*op_args(x)), p.to(dtype, requires_grad=True))
+    for name, gr in g_ref.items():
+        assert rel_err(g_nat[name], gr) <= 0.008, name
+
+
+def test_bitwise_identical_for_one_two_three_threads(monkeypatch):
+    monkeypatch.setenv(KNOB, "bf16")
+    p = make_problem(B=1, T=200, H=1, HV=3, K=32, V=48, gate="softplus", seed=9,
+                     seqlens=(130, 5, 65)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(torch.ops.kda.chunk_fwd(*op_args(p)))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_wide_inputs_keep_their_products(dtype, monkeypatch):
+    p = make_problem(B=1, T=150, H=2, K=16, V=16, gate="softplus", seed=5)
+    o_or, s_or = oracle_kda(*p.args, **p.kwargs)
+    o, s = chunk(p.to(dtype), "bf16", monkeypatch)
+    o_n, s_n = chunk(p.to(dtype), "fp32", monkeypatch)
+    assert torch.equal(o, o_n) and torch.equal(s, s_n)
+    assert rel_err(o, o_or) <= 1e-5 and rel_err(s, s_or) <= 1e-5
+
+
+def test_head_sizes_off_16_keep_fp32_products(monkeypatch):
+    p = make_problem(B=1, T=100, H=1, K=24, V=16, gate="none", seed=6).to(torch.bfloat16)
+    o, s = chunk(p, "bf16", monkeypatch)
+    o_n, s_n = chunk(p, "fp32", monkeypatch)
+    assert torch.equal(o, o_n) and torch.equal(s, s_n)
+
+
+def test_unknown_knob_value_names_the_variable(monkeypatch):
+    p = make_problem(B=1, T=10, H=1, K=16, V=16, seed=8).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=f"kda::chunk: {KNOB} must be auto, fp32 or bf16, "
+                                           "got 'fast'"):
+        chunk(p, "fast", monkeypatch)

@@ -218,8 +218,9 @@ def test_mixed_prefill_and_decode_in_one_chunk_call_equal_separate_calls(backend
 
 
 @pytest.mark.parametrize("v_first", [False, True])
-def test_plain_decode_matches_oracle_in_both_layouts(v_first):
-    p = make_problem(B=3, T=1, H=2, HV=4, K=32, V=40, seed=11, state_v_first=v_first
+@pytest.mark.parametrize("K,V", [(32, 40), (7, 5), (20, 3)])  # whole vectors, ragged K, odd V
+def test_plain_decode_matches_oracle_in_both_layouts(v_first, K, V):
+    p = make_problem(B=3, T=1, H=2, HV=4, K=K, V=V, seed=11, state_v_first=v_first
                      ).to(torch.float32)
     with torch.no_grad():
         o, s = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="native")

@@ -69,8 +69,8 @@ def test_second_call_reuses_the_first_calls_output_block_and_matches_the_referen
     assert before["held"] >= first.numel() * 4
     o2, s2 = native(p)
     after = stats()
-    assert after["hits"] == before["hits"] + 1
-    assert after["misses"] == before["misses"]
+    assert after["hits"] > before["hits"]  # o, and the block workspace (1.2 MB per array here)
+    assert after["misses"] == before["misses"]  # no fresh block: nothing faulted in
     assert torch.equal(o2, first)  # the reused block is fully overwritten
     assert torch.equal(s2, s1)
 
@@ -162,8 +162,9 @@ def test_an_output_freed_on_another_thread_returns_to_the_cache(cache_limit):
     after = stats()
     assert after["held"] > before["held"]
     assert after["in_use"] < before["in_use"]
+    misses = after["misses"]
     o, _ = native(p)
-    assert stats()["hits"] == after["hits"] + 1
+    assert stats()["hits"] > after["hits"] and stats()["misses"] == misses
     del o
 
 

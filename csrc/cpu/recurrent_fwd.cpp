@@ -338,9 +338,9 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   at::Tensor q_c, k_c, g_c, b_c, v_c;  // compute-dtype inputs read by the kernels
   at::Tensor q_w, k_w, g_w, b_w, v_w, o_w;  // block buffers of the conversions
   if (conv_in) {
-    q_w = at::empty({nb, d.H * d.K}, opts);
-    k_w = at::empty({nb, d.H * d.K}, opts);
-    g_w = at::empty({nb, d.HV * d.K}, opts);
+    q_w = empty_output({nb, d.H * d.K}, opts);
+    k_w = empty_output({nb, d.H * d.K}, opts);
+    g_w = empty_output({nb, d.HV * d.K}, opts);
     b_w = at::empty({nb, d.HV}, opts);
     q_c = q_w, k_c = k_w, g_c = g_w, b_c = b_w;
   } else {
@@ -349,8 +349,8 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   }
   if (widen_v) v_in = v_in.contiguous();
   if (conv_vo) {
-    v_w = at::empty({nb, d.HV * d.V}, opts);
-    o_w = at::empty({nb, d.HV * d.V}, opts);
+    v_w = empty_output({nb, d.HV * d.V}, opts);
+    o_w = empty_output({nb, d.HV * d.V}, opts);
     v_c = v_w;
   } else {
     v_c = v_in.contiguous();
@@ -360,11 +360,13 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   if (cfg.use_gate_in_kernel && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
 
   // The pre-processed block: [H, nb, K] q and k, [HV, nb, K] decay and decay*k, [HV, nb] beta.
-  const at::Tensor ws_q = at::empty({d.H, nb, d.K}, opts);
-  const at::Tensor ws_k = at::empty({d.H, nb, d.K}, opts);
-  const at::Tensor ws_a = at::empty({d.HV, nb, d.K}, opts);
-  const at::Tensor ws_ak = at::empty({d.HV, nb, d.K}, opts);
-  const at::Tensor ws_b = at::empty({d.HV, nb}, opts);
+  // From the output cache too (1-2 MB each): glibc hands heap blocks of this size back to the
+  // system when it trims its heap, and then the next call faults them in again.
+  const at::Tensor ws_q = empty_output({d.H, nb, d.K}, opts);
+  const at::Tensor ws_k = empty_output({d.H, nb, d.K}, opts);
+  const at::Tensor ws_a = empty_output({d.HV, nb, d.K}, opts);
+  const at::Tensor ws_ak = empty_output({d.HV, nb, d.K}, opts);
+  const at::Tensor ws_b = empty_output({d.HV, nb}, opts);
 
   kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, nb);
   // Each input through its typed pointer: T, or 16-bit (Storage).

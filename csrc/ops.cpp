@@ -28,6 +28,7 @@
 
 #include "cpu/kda_cpu.h"
 #include "cpu/kernels/recurrent_kernels.h"
+#include "cpu/output_cache.h"
 #include "cpu/serving.h"
 
 namespace kda {
@@ -261,10 +262,12 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent_cpu(KDA_OP_ARGS) {
     const char* forced = std::getenv("TORCH_KDA_DECODE_KERNEL");
     const bool general = forced != nullptr && std::string(forced) == "recurrent";
     if (!general && is_decode_call(in, d)) {
+      // o and the fresh final state reuse freed blocks of earlier calls (csrc/cpu/output_cache.h):
+      // a decode loop's final state (128 MB at B64 H32) is then not faulted in anew every call.
       const auto ct = compute_dtype(q);
-      at::Tensor o = at::empty({d.B, d.T, d.HV, d.V}, q.options());
-      at::Tensor ht = cfg.state_v_first ? at::empty({d.N, d.HV, d.V, d.K}, q.options().dtype(ct))
-                                        : at::empty({d.N, d.HV, d.K, d.V}, q.options().dtype(ct));
+      at::Tensor o = empty_output({d.B, d.T, d.HV, d.V}, q.options());
+      at::Tensor ht = cfg.state_v_first ? empty_output({d.N, d.HV, d.V, d.K}, q.options().dtype(ct))
+                                        : empty_output({d.N, d.HV, d.K, d.V}, q.options().dtype(ct));
       serving_cpu(in, cfg, d, plain_plan(in, d),
                   in.initial_state ? *in.initial_state : at::Tensor(), ht, o);
       return {o, ht};
@@ -795,6 +798,9 @@ void fused_recurrent_serving_cpu(KDA_SERVING_ARGS) {
   const ServingPlan plan = check_serving(KDA_SERVING_FORWARD, in, cfg, d);
   const auto fresh = defined_or_none(final_state);
   const at::Tensor dst = inplace_final_state ? *in.initial_state : fresh ? *fresh : at::Tensor();
+  // A caller's fresh final state is first touched by the kernels: 2 MB pages make that hundreds
+  // of times fewer page faults (B = 64, H = 32: 128 MB).
+  if (!inplace_final_state && fresh) advise_huge_pages(*fresh);
   serving_cpu(in, cfg, d, plan, in.initial_state ? *in.initial_state : at::Tensor(), dst, out);
 }
 

@@ -361,3 +361,26 @@ def test_cpp_op_rejects_duplicate_slots_before_writing():
         torch.ops.kda.fused_recurrent_serving(p.q, p.k, p.v, p.g, p.beta, 0.25, pool,
                                               torch.tensor([1, 4]), None, out, None, -1, True)
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("pool", [False, True])
+def test_decode_final_state_non_temporal_stores_write_the_same_bits(monkeypatch, v_first, pool):
+    # Decode writes a fresh fp32 final state larger than the last-level cache with non-temporal
+    # stores (csrc/cpu/serving.cpp, stream_final_state); TORCH_KDA_DECODE_STREAM forces either way.
+    p = make_problem(B=3, T=1, H=2, HV=4, K=32, V=48, seed=17, state_v_first=v_first
+                     ).to(torch.float32)
+    kw = dict(p.kwargs)
+    if pool:  # a read-only pool: fresh final states of the named slots
+        kw["initial_state"] = _pool(5, 4, 32, 48, v_first)
+        kw["ssm_state_indices"] = torch.tensor([4, 0, 2])
+    results = []
+    for stream in ("0", "1"):
+        monkeypatch.setenv("TORCH_KDA_DECODE_STREAM", stream)
+        with torch.no_grad():
+            results.append(torch_kda.fused_recurrent_kda(*p.args, **kw, backend="native"))
+    (o0, s0), (o1, s1) = results
+    assert torch.equal(o0, o1) and torch.equal(s0, s1)
+    start = kw["initial_state"][kw["ssm_state_indices"]] if pool else kw["initial_state"]
+    o_ref, s_ref = _oracle_from(p, start, v_first)
+    assert rel_err(o1, o_ref) < TOL and rel_err(s1, s_ref) < TOL

@@ -7,8 +7,12 @@
 
 #include <ATen/Parallel.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "cpu/kernels/serving_kernels.h"
 
@@ -54,6 +58,36 @@ at::Tensor kernel_state(const at::Tensor& s, at::ScalarType ct) {
                         s.stride(1) == s.size(2) * s.size(3);
   if (dtype_ok && inner_ok) return s;
   return s.to(dtype_ok ? s.scalar_type() : ct).contiguous();
+}
+
+// Bytes of the last-level cache (sysconf; 32 MB where the system does not report it).
+int64_t llc_bytes() {
+  static const int64_t bytes = [] {
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    if (l3 > 0) return static_cast<int64_t>(l3);
+#endif
+    return static_cast<int64_t>(32) << 20;
+  }();
+  return bytes;
+}
+
+// Whether a decode call writes its fresh fp32 final state `dst` with non-temporal stores: when the
+// state bytes it reads and writes exceed the last-level cache, the written lines would be evicted
+// before anyone reads them, and a plain store first reads each destination line (a third of the
+// traffic). Under the cache size the final state stays cached for the next call's read. Needs
+// 64-byte alignment of dst and of its rows. TORCH_KDA_DECODE_STREAM=0 / 1 overrides the size rule
+// (benchmarks and tests compare the two side by side; the values written are the same).
+bool stream_final_state(const Config& cfg, const Dims& d, const ServingPlan& plan,
+                        const at::Tensor& src, const at::Tensor& dst) {
+  if (!dst.defined() || dst.scalar_type() != at::kFloat || !plan.snap.empty()) return false;
+  if (src.defined() && dst.is_alias_of(src)) return false;  // the pool in place: keep it cached
+  const int64_t row = cfg.state_v_first ? d.K : d.V;
+  if (row % 16 != 0 || reinterpret_cast<uintptr_t>(dst.data_ptr()) % 64 != 0) return false;
+  const char* forced = std::getenv("TORCH_KDA_DECODE_STREAM");
+  if (forced != nullptr && std::string(forced) == "0") return false;
+  if (forced != nullptr && std::string(forced) == "1") return true;
+  return 2 * dst.nbytes() > static_cast<size_t>(llc_bytes());
 }
 
 template <typename T>
@@ -139,6 +173,7 @@ void run(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& 
     A.dst = dst.data_ptr();
     A.dst_type = state_type(dst);
     A.dst_stride = dst.stride(0);
+    A.stream_dst = std::is_same_v<T, float> && stream_final_state(cfg, d, plan, src, dst);
   }
   const auto& tab = kernels::serving_table();
   auto fn = [&]() {
@@ -179,9 +214,6 @@ void serving_cpu(const Inputs& in, const Config& cfg, const Dims& d, const Servi
   const bool direct = out.scalar_type() == ct && out.is_contiguous();
   at::Tensor o = direct ? out : at::empty({d.B, d.T, d.HV, d.V}, in.q.options().dtype(ct));
   const at::Tensor s = kernel_state(src, ct);
-  // A fresh final state (not the pool) is first touched by the kernels: 2 MB pages make that
-  // hundreds of times fewer page faults (B = 64, H = 32: 128 MB per call).
-  if (dst.defined() && !(src.defined() && dst.is_alias_of(src))) advise_huge_pages(dst);
   if (d.B * d.T > 0 || d.N > 0) {
     if (ct == at::kDouble) {
       run<double>(in, cfg, d, plan, s, dst, o);

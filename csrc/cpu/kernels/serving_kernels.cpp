@@ -187,6 +187,24 @@ inline void vstore(S* p, const vec<T>& x, int64_t m) {
   }
 }
 
+// A whole vector of the final state: NT (fp32 state, aligned by the driver) stores it non-temporally,
+// without first reading the destination line (read-for-ownership), for final states larger than
+// the last-level cache (ServingArgs::stream_dst). Same values either way.
+template <bool NT, typename T, typename Dst>
+inline void vput(Dst* p, const vec<T>& x, int64_t m) {
+#if defined(__AVX2__)
+  if constexpr (NT && std::is_same<T, float>::value && std::is_same<Dst, float>::value) {
+#if defined(__AVX512F__)
+    _mm512_stream_ps(p, (__m512)x);
+#else
+    _mm256_stream_ps(p, (__m256)x);
+#endif
+    return;
+  }
+#endif
+  vstore<T, Dst>(p, x, m);
+}
+
 // Lane sum as a fixed tree (deterministic).
 template <typename T>
 inline T hsum(const vec<T>& x) {
@@ -274,7 +292,7 @@ inline vec<T> beta_cols(const ServingArgs<T>& A, int64_t tok, int64_t hv, int64_
 // src/dst point at S[0][c] with row strides sld/dld; src == nullptr: a zero state; dst == nullptr:
 // the state is not kept. Full: w == NV * lanes, so every load is one full vector (the hot path:
 // the accumulators then stay in registers; the partial path is only for a ragged last slice).
-template <typename T, int NV, bool Full, typename Src, typename Dst>
+template <typename T, int NV, bool Full, bool NT, typename Src, typename Dst>
 void step_kfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, int64_t c,
                  int64_t w, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
   constexpr int64_t L = kL<T>;
@@ -317,7 +335,7 @@ void step_kfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t
 #pragma GCC unroll 8
     for (int j = 0; j < NV; ++j) {
       const vec<T> s = vload<T, Src>(row + j * L, cnt(j));
-      vstore<T, Dst>(out + j * L, a * s + kk * u[j], cnt(j));
+      vput<NT, T, Dst>(out + j * L, a * s + kk * u[j], cnt(j));
     }
   }
 }
@@ -330,7 +348,7 @@ void step_kfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t
 // (hsum): the same sums whatever the block a column falls in, so results do not depend on the
 // split into units or on the thread count. Full: K is a multiple of the vector length, so every
 // load is a whole vector (the hot path; the compiler keeps the accumulators in registers).
-template <typename T, int CB, bool Full, typename Src, typename Dst>
+template <typename T, int CB, bool Full, bool NT, typename Src, typename Dst>
 inline void vfirst_cols(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv,
                         int64_t c, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
   constexpr int64_t L = kL<T>;
@@ -381,45 +399,46 @@ inline void vfirst_cols(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, 
 #pragma GCC unroll 8
     for (int j = 0; j < CB; ++j) {
       const vec<T> s = vload<T, Src>(src + j * sld + i, m);
-      vstore<T, Dst>(dst + j * dld + i, a * s + u[j] * kk, m);
+      vput<NT, T, Dst>(dst + j * dld + i, a * s + u[j] * kk, m);
     }
   }
 }
 
-template <typename T, bool Full, typename Src, typename Dst>
+template <typename T, bool Full, bool NT, typename Src, typename Dst>
 void vfirst_block(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, int64_t c,
                   int64_t w, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
   constexpr int CB = kColBlock;
   int64_t j = 0;
   for (; j + CB <= w; j += CB) {
-    vfirst_cols<T, CB, Full, Src, Dst>(A, P, tok, hv, c + j, src ? src + j * sld : nullptr, sld,
+    vfirst_cols<T, CB, Full, NT, Src, Dst>(A, P, tok, hv, c + j, src ? src + j * sld : nullptr, sld,
                                        dst ? dst + j * dld : nullptr, dld);
   }
   for (; j < w; ++j) {
-    vfirst_cols<T, 1, Full, Src, Dst>(A, P, tok, hv, c + j, src ? src + j * sld : nullptr, sld,
+    vfirst_cols<T, 1, Full, NT, Src, Dst>(A, P, tok, hv, c + j, src ? src + j * sld : nullptr, sld,
                                       dst ? dst + j * dld : nullptr, dld);
   }
 }
 
-template <typename T, typename Src, typename Dst>
+template <typename T, bool NT, typename Src, typename Dst>
 void step_vfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, int64_t c,
                  int64_t w, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
   if (A.K % kL<T> == 0) {
-    vfirst_block<T, true, Src, Dst>(A, P, tok, hv, c, w, src, sld, dst, dld);
+    vfirst_block<T, true, NT, Src, Dst>(A, P, tok, hv, c, w, src, sld, dst, dld);
   } else {
-    vfirst_block<T, false, Src, Dst>(A, P, tok, hv, c, w, src, sld, dst, dld);
+    vfirst_block<T, false, false, Src, Dst>(A, P, tok, hv, c, w, src, sld, dst, dld);
   }
 }
 
 // Column blocks of a K-first unit: up to kMaxNV vectors per pass (all the unit's columns at
 // K = V = 128 with AVX-512: one sequential sweep over the rows).
-template <typename T, typename Src, typename Dst>
-void step(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, int64_t c0,
-          int64_t c1, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
+// NT: non-temporal stores of whole vectors (vput); the ragged paths store normally.
+template <typename T, bool NT, typename Src, typename Dst>
+void step_impl(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, int64_t c0,
+               int64_t c1, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
   // src/dst point at the (hv) block of a state row; offsets of column c are added here.
   constexpr int64_t L = kL<T>;
   if (A.v_first) {
-    step_vfirst<T, Src, Dst>(A, P, tok, hv, c0, c1 - c0, src ? src + c0 * sld : nullptr, sld,
+    step_vfirst<T, NT, Src, Dst>(A, P, tok, hv, c0, c1 - c0, src ? src + c0 * sld : nullptr, sld,
                              dst ? dst + c0 * dld : nullptr, dld);
     return;
   }
@@ -428,19 +447,28 @@ void step(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, in
     const Src* s = src ? src + c : nullptr;
     Dst* d = dst ? dst + c : nullptr;
     if (w == kMaxNV * L) {
-      step_kfirst<T, kMaxNV, true, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+      step_kfirst<T, kMaxNV, true, NT, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
     } else if (kMaxNV > 4 && w == 4 * L) {
-      step_kfirst<T, (kMaxNV > 4 ? 4 : 2), true, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+      step_kfirst<T, (kMaxNV > 4 ? 4 : 2), true, NT, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
     } else if (w == 2 * L) {
-      step_kfirst<T, 2, true, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+      step_kfirst<T, 2, true, NT, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
     } else if (w == L) {
-      step_kfirst<T, 1, true, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+      step_kfirst<T, 1, true, NT, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
     } else if (w > 2 * L) {
-      step_kfirst<T, kMaxNV, false, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+      step_kfirst<T, kMaxNV, false, false, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
     } else {
-      step_kfirst<T, 2, false, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+      step_kfirst<T, 2, false, false, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
     }
   }
+}
+
+template <typename T, typename Src, typename Dst>
+void step(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, int64_t c0,
+          int64_t c1, const Src* src, int64_t sld, Dst* dst, int64_t dld, bool nt = false) {
+  if constexpr (std::is_same<T, float>::value && std::is_same<Dst, float>::value) {
+    if (nt) return step_impl<T, true, Src, Dst>(A, P, tok, hv, c0, c1, src, sld, dst, dld);
+  }
+  step_impl<T, false, Src, Dst>(A, P, tok, hv, c0, c1, src, sld, dst, dld);
 }
 
 // Copies (converting) columns [c0, c1) of one head's state block.
@@ -545,7 +573,10 @@ void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int6
     if (snap != nullptr) {
       step<T, Src, Src>(A, P, t0, hv, c0, c1, src, ld, snap, ld);
     } else {
-      step<T, Src, Dst>(A, P, t0, hv, c0, c1, src, ld, dst, ld);
+      step<T, Src, Dst>(A, P, t0, hv, c0, c1, src, ld, dst, ld, A.stream_dst);
+#if defined(__AVX2__)
+      if (A.stream_dst) _mm_sfence();  // order the non-temporal stores before the call returns
+#endif
     }
   } else {  // several tokens: the slice lives in a local fp32 buffer between tokens
     // Laid out like one head's block of a state row (only columns [c0, c1) are used), so the

@@ -58,6 +58,10 @@ struct ServingArgs {
   void* dst = nullptr;
   StateType dst_type = StateType::kF32;
   int64_t dst_stride = 0;
+  // Decode (one token per sequence): write the fp32 final state `dst` with non-temporal stores
+  // (no read of the destination lines first). The driver sets it for a fresh final state larger
+  // than the last-level cache, 64-byte aligned with rows of a multiple of 16 elements.
+  bool stream_dst = false;
 };
 
 struct ServingTable {

@@ -25,7 +25,10 @@ Before timing, every peer's output and final state are compared with torch-kda's
 max |difference| / max |torch-kda|). Timing: in each repetition every (implementation, thread
 count) runs once (decode shapes: ``decode_calls`` calls) before the next repetition starts, so load
 from other processes hits all alike; medians are reported, with the load average at start and end.
-Ratios are peer time / torch-kda time (> 1: torch-kda is faster).
+Ratios are peer time / torch-kda time (> 1: torch-kda is faster). Decode shapes also time
+``copy_`` of a tensor of the state's bytes in the same repetitions (:class:`Copy`): a decode call
+reads and writes its state once, so its state bytes per second as a share of the copy's is how
+close it runs to the machine's memory speed.
 """
 
 from __future__ import annotations
@@ -114,6 +117,28 @@ class Ours:
         self.usage.setdefault(threads, []).append(
             (r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt))
         return el
+
+
+class Copy:
+    """The machine's copy bandwidth for a decode shape: ``dst.copy_(src)`` of fp32 tensors of the
+    state's size, which moves what a decode call must move at least (the state read once and
+    written once); timed in the same repetitions as the implementations."""
+
+    def __init__(self, inp: Dict[str, torch.Tensor]):
+        self.src = torch.randn(inp["h0"].shape)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # mapped before timing
+
+    @property
+    def bytes(self) -> int:
+        """Bytes read plus bytes written by one copy."""
+        return 2 * self.src.numel() * self.src.element_size()
+
+    def time(self, threads: int) -> float:
+        torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        return time.perf_counter() - t0
 
 
 class Ggml:
@@ -290,11 +315,13 @@ def run_peers(peers_dir: str, shapes: Sequence[Shape] = PREFILL_SHAPES + DECODE_
                 impls["ggml"] = Ggml(found["ggml"], inp, threads)
             if found["executorch"]:
                 impls["executorch"] = ExecuTorch(found["executorch"], inp, shape.K ** -0.5)
+            if shape.decode:  # memory-bound: measured against the copy bandwidth, in the same reps
+                impls["copy"] = Copy(inp)
             try:
                 torch.set_num_threads(min(threads))
                 o_ref, s_ref = impls["ours"].outputs()
                 for name, impl in impls.items():
-                    if name == "ours":
+                    if name in ("ours", "copy"):
                         continue
                     o, s = impl.outputs()
                     results.append(dict(kind="agree", impl=name, **sd, o_rel_err=_rel_err(o, o_ref),
@@ -318,6 +345,8 @@ def run_peers(peers_dir: str, shapes: Sequence[Shape] = PREFILL_SHAPES + DECODE_
                     extra = {}
                     if name == "executorch":
                         extra["pool_threads"] = impls[name].pool.get(n)
+                    if name == "copy":
+                        extra["bytes"] = impls[name].bytes
                     if name.startswith("ours"):
                         use = impls[name].usage.get(n, [])[calls:]  # without the warm-up
                         user, sys_ = sum(u[0] for u in use), sum(u[1] for u in use)
@@ -346,7 +375,8 @@ def format_peers(results: List[dict]) -> str:
         if key not in shapes:
             shapes.append(key)
     gemm = {r["threads"]: r["gflops"] for r in results if r["kind"] == "gemm"}
-    out = ["| case (fp32) | thr | torch-kda | ggml | ExecuTorch | vs ggml | vs ExecuTorch | torch-kda % of GEMM |",
+    out = ["| case (fp32) | thr | torch-kda | ggml | ExecuTorch | vs ggml | vs ExecuTorch | "
+           "torch-kda % of GEMM (prefill) / state bytes per s, % of copy (decode) |",
            "|---|---|---|---|---|---|---|---|"]
     for B, T, H, K, V, dec in shapes:
         sd = dict(B=B, T=T, H=H, K=K, V=V, decode=dec)
@@ -369,6 +399,11 @@ def format_peers(results: List[dict]) -> str:
                 pct = ""
                 if not dec and n in gemm:
                     pct = f"{8 * K * V * H * B * T / get[ours]['seconds'] / 1e9 / gemm[n] * 100:.0f}%"
+                copy = _find(timed, impl="copy", threads=n, **sd) if dec else None
+                if copy is not None:  # the state read and written once, as the copy moves it
+                    rate = copy["bytes"] / get[ours]["seconds"]
+                    pct = f"{rate / 1e9:.1f} GB/s, {100 * copy['seconds'] / get[ours]['seconds']:.0f}% of copy " \
+                          f"({copy['bytes'] / copy['seconds'] / 1e9:.1f} GB/s)"
                 out.append(f"| {case} | {n} | {cell(get[ours])} | {cell(get['ggml'])} | {cell(get['executorch'])} | "
                            f"{ratio(get['ggml'])} | {ratio(get['executorch'])} | {pct} |")
     out.append("")

@@ -97,7 +97,13 @@ def test_unnormalised_keys_warn_and_name_the_l2norm_flag(fn, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("headwise", [False, True])
 @pytest.mark.parametrize("T", [1, 5])
-def test_unstable_write_warning_names_the_value_head_with_grouped_heads(backend, headwise, T):
+@pytest.mark.parametrize("check", ["native op", "aten ops"])
+def test_unstable_write_warning_names_the_value_head_with_grouped_heads(monkeypatch, backend,
+                                                                        headwise, T, check):
+    if check == "aten ops":  # the path of CUDA tensors and of builds without the native library
+        monkeypatch.setattr(torch_kda._checks, "_native_unstable_write", lambda: None)
+    else:
+        assert torch_kda._checks._native_unstable_write() is not None
     # H = 2 key heads, HV = 4 value heads: value head 3 reads key head 1. Only (b=1, t=T-1, hv=3)
     # (and, head-wise, its value column 4) has beta * ||k||^2 > 2; its key head's neighbour hv=2
     # has the same ||k||^2 = 3 but beta = 0.5.

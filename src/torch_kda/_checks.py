@@ -620,7 +620,8 @@ def warn_unstable_writes(x: KDAInputs) -> None:
     ``1 - beta ||k||^2``, outside ``[-1, 1]`` exactly when ``beta ||k||^2 > 2`` (or < 0, which
     the ``beta`` range rules out). With ``use_qk_l2norm_in_kernel`` ``||k||^2 < 1`` and
     ``beta <= 2``, so nothing is computed then; without it this costs one reduction over ``k`` and
-    ``beta`` (and a host sync on CUDA). A warning, not an error: decays can still keep such a
+    ``beta`` (and a host sync on CUDA), on CPU tensors one call of the native library's
+    ``kda::_unstable_write`` when it is loaded. A warning, not an error: decays can still keep such a
     state bounded. It is raised here, in Python, for the native backend too: a ``TORCH_WARN``
     from an op called through ``torch.ops`` goes to stderr, not to Python's ``warnings``.
 
@@ -632,11 +633,25 @@ def warn_unstable_writes(x: KDAInputs) -> None:
     _warn_unstable_writes(x)
 
 
+def _native_unstable_write():
+    """``torch.ops.kda._unstable_write`` when the native library is loaded, else None."""
+    try:
+        return torch.ops.kda._unstable_write
+    except (AttributeError, RuntimeError):
+        return None
+
+
 @_outside_graph  # data-dependent: runs eagerly under torch.compile (a graph break)
 def _warn_unstable_writes(x: KDAInputs) -> None:
-    # A decode loop runs this on every call: a handful of ops (one dot product per key head, one
-    # product per value head, one comparison); the index and values are looked up only to warn.
     with torch.no_grad():
+        flat = None
+        op = _native_unstable_write() if x.k.device.type == "cpu" else None
+        if op is not None:
+            # CPU: one pass of the native library (csrc/cpu/unstable_writes.cpp) instead of the
+            # ATen ops below, about six dispatches: a decode loop runs this on every call.
+            flat = op(x.k, x.beta, x.use_beta_sigmoid_in_kernel, 2.0 if x.allow_neg_eigval else 1.0)
+            if flat < 0:
+                return
         ct = x.compute_dtype
         k = x.k if x.k.dtype == ct else x.k.to(ct)
         beta = x.beta if x.beta.dtype == ct else x.beta.to(ct)
@@ -651,10 +666,11 @@ def _warn_unstable_writes(x: KDAInputs) -> None:
             grouped = (x.B, x.T, x.H, x.HV // x.H) + tuple(beta.shape[3:])
             kn2 = kn2.view(x.B, x.T, x.H, *([1] * (len(grouped) - 3)))
             beta = beta.reshape(grouped)
-        bad = (beta * kn2).gt_(2)
-        if not bool(bad.any()):
-            return
-        flat = int(bad.flatten().nonzero()[0])
+        if flat is None:
+            bad = (beta * kn2).gt_(2)
+            if not bool(bad.any()):
+                return
+            flat = int(bad.flatten().nonzero()[0])
         b, n2 = beta.flatten()[flat].item(), kn2.expand(grouped).flatten()[flat].item()
         warnings.warn(
             f"beta * ||k||^2 = {b * n2:g} > 2 at {_index(flat, x.beta.shape)} (beta = {b:g}, "

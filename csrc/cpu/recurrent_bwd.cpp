@@ -15,6 +15,7 @@
 // thread count.
 #include "cpu/kda_cpu.h"
 #include "cpu/kernels/recurrent_kernels.h"
+#include "cpu/output_cache.h"
 
 #include <ATen/Parallel.h>
 
@@ -83,24 +84,27 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   }
   nb = std::max<int64_t>(1, nb);
 
-  // The block workspace: pre-processed rows, chain-rule inputs, per-group partials.
-  const at::Tensor ws_q = at::empty({H, nb, K}, opts), ws_k = at::empty({H, nb, K}, opts);
-  const at::Tensor ws_a = at::empty({HV, nb, K}, opts), ws_ak = at::empty({HV, nb, K}, opts);
-  const at::Tensor ws_b = at::empty({HV, nb}, opts);
+  // The block workspace: pre-processed rows, chain-rule inputs, per-group partials, and one
+  // kernel scratch per thread (recomputed chunk states, state gradients). From the output cache
+  // (csrc/cpu/output_cache.h), as the forward's: glibc hands heap blocks of a few MB back to the
+  // system when it trims its heap, and the next call faulted them in again.
+  const at::Tensor ws_q = empty_output({H, nb, K}, opts), ws_k = empty_output({H, nb, K}, opts);
+  const at::Tensor ws_a = empty_output({HV, nb, K}, opts);
+  const at::Tensor ws_ak = empty_output({HV, nb, K}, opts);
+  const at::Tensor ws_b = empty_output({HV, nb}, opts);
   at::Tensor ws_qr, ws_kr, ws_g, ws_s;
-  if (l2) ws_qr = at::empty({nb, H}, opts), ws_kr = at::empty({nb, H}, opts);
+  if (l2) ws_qr = empty_output({nb, H}, opts), ws_kr = empty_output({nb, H}, opts);
   if (gate) {
-    ws_s = at::empty({nb, HV, K}, opts);
-    if (!cfg.lower_bound) ws_g = at::empty({nb, HV, K}, opts);  // the softplus gate's log decay
+    ws_s = empty_output({nb, HV, K}, opts);
+    if (!cfg.lower_bound) ws_g = empty_output({nb, HV, K}, opts);  // the softplus gate's log decay
   }
-  const at::Tensor dq_p = at::empty({groups, nb, HV, K}, opts);
-  const at::Tensor dk_p = at::empty({groups, nb, HV, K}, opts);
-  const at::Tensor dg_p = at::empty({groups, nb, HV, K}, opts);
-  const at::Tensor db_p = at::empty({groups, nb, HV}, opts);
-  // One scratch per thread for the kernels (recomputed chunk states, state gradients).
+  const at::Tensor dq_p = empty_output({groups, nb, HV, K}, opts);
+  const at::Tensor dk_p = empty_output({groups, nb, HV, K}, opts);
+  const at::Tensor dg_p = empty_output({groups, nb, HV, K}, opts);
+  const at::Tensor db_p = empty_output({groups, nb, HV}, opts);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t ws_stride = kernels::bwd_scratch_elems(K, n_slices);
-  const at::Tensor thread_ws = at::empty({threads * ws_stride}, opts);
+  const at::Tensor thread_ws = empty_output({threads * ws_stride}, opts);
   advise_huge_pages(thread_ws);
   T* const ws0 = thread_ws.data_ptr<T>();
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; };

@@ -72,12 +72,16 @@ int64_t llc_bytes() {
   return bytes;
 }
 
-// Whether a decode call writes its fresh fp32 final state `dst` with non-temporal stores: when the
-// state bytes it reads and writes exceed the last-level cache, the written lines would be evicted
-// before anyone reads them, and a plain store first reads each destination line (a third of the
-// traffic). Under the cache size the final state stays cached for the next call's read. Needs
-// 64-byte alignment of dst and of its rows. TORCH_KDA_DECODE_STREAM=0 / 1 overrides the size rule
-// (benchmarks and tests compare the two side by side; the values written are the same).
+// Whether a decode call writes its fresh fp32 final state `dst` with non-temporal stores (no read
+// of each destination line first: a third of the traffic). When the state bytes a call reads and
+// writes exceed what stays cached, the written lines are evicted before the next call reads them
+// anyway; below that, plain stores leave the state cached for the next call. The bound is the
+// last-level cache, at most 48 MB: a VM's share of a large shared L3 is less than sysconf reports
+// (the 16-core Xeon guest reports 300 MB, yet streaming ran 1.4-1.7x faster there at 64 MB of
+// state traffic, B16 H32; the AVX2 box's 32 MB L3: faster from 64 MB, slower at 4-32 MB when the
+// next call reads the state, K-first; docs/benchmarks.md "Decode against ggml, third round").
+// Needs 64-byte alignment of dst and of its rows. TORCH_KDA_DECODE_STREAM=0 / 1 overrides the
+// size rule (benchmarks and tests compare the two side by side; the values written are the same).
 bool stream_final_state(const Config& cfg, const Dims& d, const ServingPlan& plan,
                         const at::Tensor& src, const at::Tensor& dst) {
   if (!dst.defined() || dst.scalar_type() != at::kFloat || !plan.snap.empty()) return false;
@@ -87,7 +91,8 @@ bool stream_final_state(const Config& cfg, const Dims& d, const ServingPlan& pla
   const char* forced = std::getenv("TORCH_KDA_DECODE_STREAM");
   if (forced != nullptr && std::string(forced) == "0") return false;
   if (forced != nullptr && std::string(forced) == "1") return true;
-  return 2 * dst.nbytes() > static_cast<size_t>(llc_bytes());
+  constexpr int64_t kMaxCached = int64_t(48) << 20;
+  return 2 * static_cast<int64_t>(dst.nbytes()) > std::min(llc_bytes(), kMaxCached);
 }
 
 template <typename T>

@@ -59,8 +59,9 @@ struct ServingArgs {
   StateType dst_type = StateType::kF32;
   int64_t dst_stride = 0;
   // Decode (one token per sequence): write the fp32 final state `dst` with non-temporal stores
-  // (no read of the destination lines first). The driver sets it for a fresh final state larger
-  // than the last-level cache, 64-byte aligned with rows of a multiple of 16 elements.
+  // (no read of the destination lines first). The driver sets it for a fresh final state whose
+  // read + write bytes exceed the last-level cache (at most 48 MB), 64-byte aligned with rows of a
+  // multiple of 16 elements (csrc/cpu/serving.cpp, stream_final_state).
   bool stream_dst = false;
 };
 

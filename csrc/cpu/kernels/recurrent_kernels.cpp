@@ -220,17 +220,17 @@ inline vec_t<T> transpose_reduce(const vec_t<T>* w, const ReduceMasks<T>& M) {
 //   dq_i = a_i x0_i + k_i udo,  dk_i = x1_i,  dg_i = x2_i
 // (first: store, else add). Blocks of L rows use the transposing reduction.
 template <typename T>
-inline void row_grads(T* dq, T* dk, T* dg, const vec_t<T>* W, const T* a, const T* k, T udo,
-                      int64_t K, bool first) {
+inline void row_grads(T* dq, T* dk, T* dg, const vec_t<T>* Wq, const vec_t<T>* Wk,
+                      const vec_t<T>* Wg, const T* a, const T* k, T udo, int64_t K, bool first) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   int64_t i = 0;
 #if defined(KDA_HAVE_TRANSPOSE_REDUCE)
   static const ReduceMasks<T> masks;
   for (; i + L <= K; i += L) {
-    const V x0 = transpose_reduce<T>(W + i, masks);
-    V gk = transpose_reduce<T>(W + K + i, masks);
-    V gg = transpose_reduce<T>(W + 2 * K + i, masks);
+    const V x0 = transpose_reduce<T>(Wq + i, masks);
+    V gk = transpose_reduce<T>(Wk + i, masks);
+    V gg = transpose_reduce<T>(Wg + i, masks);
     const V av = load_cols(a + i, L), kv = load_cols(k + i, L);
     V gq = av * x0 + kv * udo;
     if (!first) {
@@ -244,7 +244,7 @@ inline void row_grads(T* dq, T* dk, T* dg, const vec_t<T>* W, const T* a, const 
   }
 #endif
   for (; i < K; ++i) {
-    const T x0 = hsum<T>(W[i]), gk = hsum<T>(W[K + i]), gg = hsum<T>(W[2 * K + i]);
+    const T x0 = hsum<T>(Wq[i]), gk = hsum<T>(Wk[i]), gg = hsum<T>(Wg[i]);
     const T gq = a[i] * x0 + k[i] * udo;
     dq[i] = first ? gq : dq[i] + gq;
     dk[i] = first ? gk : dk[i] + gk;
@@ -669,6 +669,76 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   }
 }
 
+// One token of the backward: its recomputed S_{t-1}, inputs and r_t, u_t, do_t (slice columns).
+template <typename T, int NV>
+struct BwdToken {
+  const vec_t<T>* Sp;
+  const T *at, *kt, *qt;
+  T bs;
+  vec_t<T> r[NV], u[NV], dov[NV];
+};
+
+// One sweep over the K rows of a slice (bwd_chunk): pass 2 of token c (with its delta; writes
+// the per-row products Wq, Wk, Wg of row_grads) and/or pass 1 of token n (returns its delta in
+// delta_n). Rows run in blocks of kRows with one accumulator each (a fixed order: deterministic).
+template <typename T, int NV, bool Pass2, bool Pass1>
+inline void bwd_rows(vec_t<T>* Hs, int64_t K, const BwdToken<T, NV>& c,
+                     const BwdToken<T, NV>& n, const vec_t<T> (&delta)[NV], vec_t<T>* Wq,
+                     vec_t<T>* Wk, vec_t<T>* Wg, vec_t<T> (&delta_n)[NV]) {
+  using V = vec_t<T>;
+  V dacc[kRows][NV] = {};
+  auto row = [&](int64_t ii, V (&acc)[NV]) {
+    V Hc[NV];
+    if (Pass2) {
+      const V av = splat<T>(c.at[ii]);
+      const V bk = splat<T>(c.bs * c.kt[ii]);
+      V w0{}, w1{}, w2{}, w3{};
+#pragma GCC unroll 4
+      for (int cc = 0; cc < NV; ++cc) {
+        const V D = Hs[ii * NV + cc];
+        const V P = c.Sp[ii * NV + cc];
+        const V Hn = av * (D - bk * delta[cc]);
+        w0 += P * c.dov[cc];
+        w1 += D * c.u[cc];
+        w2 += P * delta[cc];
+        w3 += Hn * P;
+        Hc[cc] = Hn;
+      }
+      Wq[ii] = w0;
+      Wk[ii] = w1 - splat<T>(c.bs * c.at[ii]) * w2;
+      Wg[ii] = w3;
+    } else {
+#pragma GCC unroll 4
+      for (int cc = 0; cc < NV; ++cc) Hc[cc] = Hs[ii * NV + cc];
+    }
+    if (Pass1) {
+      const V kv = splat<T>(n.kt[ii]), qv = splat<T>(n.qt[ii]);
+#pragma GCC unroll 4
+      for (int cc = 0; cc < NV; ++cc) {
+        const V D = Hc[cc] + qv * n.dov[cc];
+        Hs[ii * NV + cc] = D;
+        acc[cc] += kv * D;
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int cc = 0; cc < NV; ++cc) Hs[ii * NV + cc] = Hc[cc];
+    }
+  };
+  int64_t i = 0;
+  for (; i + kRows <= K; i += kRows) {
+#pragma GCC unroll 4
+    for (int rr = 0; rr < kRows; ++rr) row(i + rr, dacc[rr]);
+  }
+  for (; i < K; ++i) row(i, dacc[0]);
+  if (Pass1) {
+    for (int cc = 0; cc < NV; ++cc) {
+      V sum = dacc[0][cc];
+      for (int rr = 1; rr < kRows; ++rr) sum += dacc[rr][cc];
+      delta_n[cc] = sum;
+    }
+  }
+}
+
 // Backward of chunk c of sequence n for one slice of columns [j0, j0 + width): recompute the
 // chunk's states from its checkpoint, then run the backward recurrence over it, last token first.
 // Buffers: Sbuf kChunk states, rbuf kChunk reads S'^T k (both reused), Hs the slice's running
@@ -720,102 +790,67 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
                                  a_h + t * K, k_h + t * K, zeros,
                                  ak_h + (t + 1) * K, K, unused, r);
       }
-      // Backward through the chunk, last token first.
-      for (int64_t t = e - 1; t >= s0; --t) {
+      // Backward through the chunk, last token first. With P = S_{t-1}[i, :], S'[i] = a_i P,
+      // S_t[i] = a_i P + k_i u, every row quantity is a_i / k_i times a dot product of P, D, u,
+      // do or delta:
+      //   dq_i = a_i (P.do) + k_i (u.do)
+      //   dk_i = D.u - beta a_i (P.delta)
+      //   dg_i = a_i (D.P - beta k_i (P.delta))      (= sum_j E[i,j] S'[i,j])
+      // Pass 1 of token t: D = H + q do^T (kept in Hs) and delta = D^T k.
+      // Pass 2 of token t: H_{t-1} = Diag(a) (D - beta k delta^T), and per row P.do (dq_i),
+      // D.u - beta a_i P.delta (dk_i) and H_{t-1}[i].P (= dg_i): three row reductions, and the
+      // only pass that reads P. Pass 2 of token t and pass 1 of token t - 1 run in one sweep
+      // over the rows: H_{t-1} goes from one to the other in registers, and each recomputed
+      // state is read once (two sweeps per token read Hs twice and P twice).
+      BwdToken<T, NV> cur, nxt;
+      auto load_token = [&](int64_t t, BwdToken<T, NV>& tk) {
         const int64_t slot = t - s0;
-        const V* Sp = Sbuf + slot * KN;  // S_{t-1}
-        const T* at = a_h + t * K;
-        const T* kt = k_h + t * K;
-        const T* qt = q_h + t * K;
-        const T bs = b_h[t];
-        const V b = splat<T>(bs);
-        V r_[NV], u[NV], dov[NV];
+        tk.Sp = Sbuf + slot * KN;  // S_{t-1}
+        tk.at = a_h + t * K;
+        tk.kt = k_h + t * K;
+        tk.qt = q_h + t * K;
+        tk.bs = b_h[t];
+        const V b = splat<T>(tk.bs);
         const T* dot = A.dout + (t * HV + hv) * Vd + j0;
         const T* vt = A.v + (t * HV + hv) * Vd + j0;
         for (int cc = 0; cc < NV; ++cc) {
           // r_t = v_t - S'^T k (rbuf holds the read S'^T k), u_t = beta r_t
-          r_[cc] = load_cols(vt + cc * L, width - cc * L) - rbuf[slot * NV + cc];
-          u[cc] = b * r_[cc];
-          dov[cc] = load_cols(dot + cc * L, width - cc * L);
+          tk.r[cc] = load_cols(vt + cc * L, width - cc * L) - rbuf[slot * NV + cc];
+          tk.u[cc] = b * tk.r[cc];
+          tk.dov[cc] = load_cols(dot + cc * L, width - cc * L);
         }
-        const int64_t row = ((t - sh) * HV + hv) * K;
-        T* dq = A.dq + p * A.group_stride + row;
-        T* dk = A.dk + p * A.group_stride + row;
-        T* dg = A.dg + p * A.group_stride + row;
-        // With P = S_{t-1}[i, :], S'[i] = a_i P, S_t[i] = a_i P + k_i u, every row quantity is
-        // a_i / k_i times a dot product of P, D, u, do or delta:
-        //   dq_i = a_i (P.do) + k_i (u.do)
-        //   dk_i = D.u - beta a_i (P.delta)
-        //   dg_i = a_i (D.P - beta k_i (P.delta))      (= sum_j E[i,j] S'[i,j])
-        // Pass 1: D = H + q do^T (kept in Hs), delta = D^T k, and P.do per row.
-        V dacc[kRows][NV] = {};
-        int64_t i = 0;
-        for (; i + kRows <= K; i += kRows) {
-#pragma GCC unroll 4
-          for (int rr = 0; rr < kRows; ++rr) {
-            const int64_t ii = i + rr;
-            const V kv = splat<T>(kt[ii]), qv = splat<T>(qt[ii]);
-            V w = Sp[ii * NV] * dov[0];
-#pragma GCC unroll 4
-            for (int cc = 0; cc < NV; ++cc) {
-              const V D = Hs[ii * NV + cc] + qv * dov[cc];
-              Hs[ii * NV + cc] = D;
-              dacc[rr][cc] += kv * D;
-              if (cc > 0) w += Sp[ii * NV + cc] * dov[cc];
-            }
-            W[ii] = w;
-          }
-        }
-        for (; i < K; ++i) {
-          const V kv = splat<T>(kt[i]), qv = splat<T>(qt[i]);
-          V w = Sp[i * NV] * dov[0];
-          for (int cc = 0; cc < NV; ++cc) {
-            const V D = Hs[i * NV + cc] + qv * dov[cc];
-            Hs[i * NV + cc] = D;
-            dacc[0][cc] += kv * D;
-            if (cc > 0) w += Sp[i * NV + cc] * dov[cc];
-          }
-          W[i] = w;
-        }
-        V delta[NV];
-        for (int cc = 0; cc < NV; ++cc) {
-          V sum = dacc[0][cc];
-          for (int rr = 1; rr < kRows; ++rr) sum += dacc[rr][cc];
-          delta[cc] = sum;
-        }
+      };
+      load_token(e - 1, cur);
+      V delta[NV];
+      bwd_rows<T, NV, false, true>(Hs, K, cur, cur, delta, nullptr, nullptr, nullptr, delta);
+      for (int64_t t = e - 1; t >= s0; --t) {
+        const V b = splat<T>(cur.bs);
         T* dvt = A.dv + (t * HV + hv) * Vd + j0;
         V wb[NV], wu[NV];
         for (int cc = 0; cc < NV; ++cc) {
           if (width - cc * L > 0) store_cols(dvt + cc * L, b * delta[cc], width - cc * L);
-          wb[cc] = delta[cc] * r_[cc];
-          wu[cc] = u[cc] * dov[cc];
+          wb[cc] = delta[cc] * cur.r[cc];
+          wu[cc] = cur.u[cc] * cur.dov[cc];
         }
         const T dbt = hsum_n<T, NV>(wb);
         const T udo = hsum_n<T, NV>(wu);
         T* dbp = A.dbeta + p * A.group_stride_beta + (t - sh) * HV + hv;
         *dbp = first ? dbt : *dbp + dbt;
-        // Pass 2: H_{t-1} = Diag(a) (D - beta k delta^T) and per row D.u - beta a_i P.delta
-        // (dk_i) and H_{t-1}[i].P (= dg_i: a_i (D.P - beta k_i P.delta)); three row
-        // reductions per token instead of four.
-#pragma GCC unroll 2
-        for (int64_t ii = 0; ii < K; ++ii) {
-          const V av = splat<T>(at[ii]);
-          const V bk = splat<T>(bs * kt[ii]);
-          V w1{}, w2{}, w3{};
-#pragma GCC unroll 4
-          for (int cc = 0; cc < NV; ++cc) {
-            const V D = Hs[ii * NV + cc];
-            const V P = Sp[ii * NV + cc];
-            const V Hn = av * (D - bk * delta[cc]);
-            w1 += D * u[cc];
-            w2 += P * delta[cc];
-            w3 += Hn * P;
-            Hs[ii * NV + cc] = Hn;
-          }
-          W[K + ii] = w1 - splat<T>(bs * at[ii]) * w2;
-          W[2 * K + ii] = w3;
+        V delta_next[NV];
+        if (t > s0) {
+          load_token(t - 1, nxt);
+          bwd_rows<T, NV, true, true>(Hs, K, cur, nxt, delta, W, W + K, W + 2 * K, delta_next);
+        } else {
+          bwd_rows<T, NV, true, false>(Hs, K, cur, cur, delta, W, W + K, W + 2 * K, delta_next);
         }
-        row_grads<T>(dq, dk, dg, W, at, kt, udo, K, first);
+        const int64_t row = ((t - sh) * HV + hv) * K;
+        row_grads<T>(A.dq + p * A.group_stride + row, A.dk + p * A.group_stride + row,
+                     A.dg + p * A.group_stride + row, W, W + K, W + 2 * K, cur.at, cur.kt, udo,
+                     K, first);
+        if (t > s0) {
+          cur = nxt;
+          for (int cc = 0; cc < NV; ++cc) delta[cc] = delta_next[cc];
+        }
       }
     }
   }
@@ -846,7 +881,7 @@ void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   V* const Hs = rbuf + kChunk * NVmax;
   V* const W = Hs + n_sl * K * NVmax;  // per-row partial products (row_grads)
   T* const zeros = ws + kChunk * K * kBwdSlice + kChunk * kBwdSlice + n_sl * K * kBwdSlice +
-                   4 * K * 16;
+                   3 * K * 16;
   for (int64_t i = 0; i < K; ++i) zeros[i] = T(0);
   auto slice = [&](int64_t i, int64_t& j0, int64_t& width) {
     j0 = (s_begin + i) * kBwdSlice;

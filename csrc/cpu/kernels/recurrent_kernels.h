@@ -145,10 +145,10 @@ constexpr int64_t fwd_scratch_elems(int64_t K, int64_t n_slices) {
 
 // Scratch of one backward call (elements of the compute type): the recomputed states of a chunk
 // (kChunk x K x kBwdSlice), their reads (kChunk x kBwdSlice), the running state gradient of every
-// slice (K x kBwdSlice each), the per-row partial products (4 K vectors of at most 64 bytes), K
+// slice (K x kBwdSlice each), the per-row partial products (3 K vectors of at most 64 bytes), K
 // zeros; multiples of 16 elements (64-byte aligned parts).
 constexpr int64_t bwd_scratch_elems(int64_t K, int64_t n_slices) {
-  return kChunk * K * kBwdSlice + kChunk * kBwdSlice + n_slices * K * kBwdSlice + 4 * K * 16 +
+  return kChunk * K * kBwdSlice + kChunk * kBwdSlice + n_slices * K * kBwdSlice + 3 * K * 16 +
          (K + 15) / 16 * 16;
 }
 

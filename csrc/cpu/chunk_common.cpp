@@ -311,9 +311,11 @@ inline void direct_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64
 
 // A diagonal block [lo, hi) whose factored form failed: halves, the lower-left quadrant as an
 // off-diagonal block (factors <= 1), each half factored if its own decay allows, else split
-// again; two tokens or fewer take the direct form.
+// again; two tokens or fewer take the direct form. Multi-versioned itself: being recursive it is
+// not inlined into intra_am, and would otherwise run its loops (and those inlined into it) as
+// baseline x86-64 code.
 template <typename T>
-void split_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64_t hi) {
+KDA_CLONES void split_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64_t hi) {
   if (hi - lo <= 2) {
     direct_block(c, w, lo, hi);
     return;

@@ -144,6 +144,45 @@ ChunkWork<T>::ChunkWork(T* base, int64_t K, int64_t V) {
   w = take(K);
 }
 
+namespace {
+
+// The result parts in a store: (elements of T or bf16, bf16?) in order.
+inline int64_t result_part_bytes(int64_t elems, int64_t size) {
+  return (elems * size + 63) / 64 * 64;
+}
+
+}  // namespace
+
+template <typename T>
+int64_t result_bytes(int64_t K, int64_t V, bool bf16) {
+  const int64_t t = sizeof(T), h = sizeof(at::BFloat16);
+  const int64_t common = result_part_bytes(kC * K, t) + result_part_bytes(kC * 2 * kC, t) +
+                         result_part_bytes(kC * (K + V), t);
+  return common + (bf16 ? result_part_bytes(kC * K, h) + result_part_bytes(K * kC, h)
+                        : result_part_bytes(kC * K, t) + result_part_bytes(K * kC, t));
+}
+
+template <typename T>
+void bind_results(ChunkWork<T>& w, void* store, int64_t K, int64_t V, bool bf16) {
+  char* p = static_cast<char*>(store);
+  auto take = [&](int64_t elems, int64_t size) {
+    char* r = p;
+    p += result_part_bytes(elems, size);
+    return r;
+  };
+  const int64_t t = sizeof(T), h = sizeof(at::BFloat16);
+  w.gam = reinterpret_cast<T*>(take(kC * K, t));
+  w.am = reinterpret_cast<T*>(take(kC * 2 * kC, t));
+  w.x = reinterpret_cast<T*>(take(kC * (K + V), t));
+  if (bf16) {
+    w.prod.qg = reinterpret_cast<at::BFloat16*>(take(kC * K, h));
+    w.prod.kdecT = reinterpret_cast<at::BFloat16*>(take(K * kC, h));
+  } else {
+    w.qg = reinterpret_cast<T*>(take(kC * K, t));
+    w.kdecT = reinterpret_cast<T*>(take(K * kC, t));
+  }
+}
+
 template <typename T>
 KDA_CLONES void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
   const int64_t n = c.n, K = c.K;
@@ -466,6 +505,8 @@ KDA_CLONES void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S) {
 
 #define KDA_CHUNK_INSTANTIATE(T)                                         \
   template struct ChunkWork<T>;                                          \
+  template int64_t result_bytes<T>(int64_t, int64_t, bool);              \
+  template void bind_results<T>(ChunkWork<T>&, void*, int64_t, int64_t, bool); \
   template void decay_factors<T>(const ChunkIn<T>&, ChunkWork<T>&);      \
   template void intra_am<T>(const ChunkIn<T>&, ChunkWork<T>&);           \
   template void solve_wu<T>(const ChunkIn<T>&, ChunkWork<T>&);           \

@@ -137,6 +137,15 @@ struct ChunkWork {
   ChunkWork(T* base, int64_t K, int64_t V);
 };
 
+// The results of chunk_intra that state_step reads (gam, qg, kdecT, am, x; with bf16 products
+// prod.qg and prod.kdecT instead of qg and kdecT), kept per chunk so that the state-independent
+// part of many chunks can run in parallel before their state steps (csrc/cpu/chunk_fwd.cpp):
+// bytes of one chunk's results, and w's result parts pointed at such a store (64-byte aligned).
+template <typename T>
+int64_t result_bytes(int64_t K, int64_t V, bool bf16);
+template <typename T>
+void bind_results(ChunkWork<T>& w, void* store, int64_t K, int64_t V, bool bf16);
+
 // Gam, q . Gam and the transposed end-decayed keys (gam, qg, kdecT).
 template <typename T>
 void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w);

@@ -1,7 +1,8 @@
 // CPU forward of the chunkwise KDA (docs/math.md, "Chunkwise form"): the token blocks and the
-// pre-processing of the recurrent forward (run_fwd_blocked), and in each block, per (sequence,
-// value head) unit, the chunks of kChunk tokens in order, each through the shared pieces of
-// csrc/cpu/chunk_common.h.
+// pre-processing of the recurrent forward (run_fwd_blocked), and in each block the chunks of
+// kChunk tokens of every (sequence, value head) unit through the shared pieces of
+// csrc/cpu/chunk_common.h: in waves, the state-independent part (chunk_intra) of all the wave's
+// chunks in parallel, then each unit's state steps in chunk order.
 //
 // Chunks start at origin + c * kChunk (as the recurrent forward's checkpoints: a sequence of a
 // varlen batch that starts inside a chunk has a shorter first chunk), so the checkpoints
@@ -13,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 
@@ -25,7 +27,7 @@ template <typename T>
 void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
                 const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
                 const at::Tensor& ckpt) {
-  const int64_t K = d.K, V = d.V, HV = d.HV, H = d.H, KV = K * V;
+  const int64_t K = d.K, V = d.V, HV = d.HV, H = d.H, KV = K * V, units = d.N * HV;
   // bf16 state products for 16-bit inputs (chunk_products.h); fp64 keeps its own.
   const chunk::Products products = std::is_same_v<T, float>
       ? chunk::choose_products(in.q.scalar_type(), K, V, cfg.op)
@@ -41,62 +43,121 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   // 64-byte aligned start (every part of ChunkWork then is too).
   T* const ws0 = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(ws.data_ptr<T>()) + 63) /
                                       64 * 64);
+  // Waves: the next `wave` chunks of every unit. Their state-independent parts (chunk_intra,
+  // ~3/4 of the work) run first, all in parallel, taken one by one from a shared counter (units
+  // differ: strongly decaying heads cost up to twice as much, and with about as many units as
+  // threads a static split leaves most threads waiting for the slowest head), then each unit's
+  // state steps in order. A wave has about 4 chunks per thread; their results (~160 KB each at
+  // K = V = 128) live in `store` until the state steps.
+  const int64_t wave = std::max<int64_t>(1, (4 * threads + units - 1) / units);
+  const int64_t item_bytes = chunk::result_bytes<T>(K, V, bf16);
+  const at::Tensor store = at::empty({units * wave * item_bytes + 64}, ht.options().dtype(at::kByte));
+  char* const store0 = reinterpret_cast<char*>(
+      (reinterpret_cast<uintptr_t>(store.data_ptr()) + 63) / 64 * 64);
   const T* s0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
   constexpr int64_t C = chunk::kC;
+
+  // A thread's workspace, with the results of item `i` of the wave bound when i >= 0.
+  auto workspace = [&](int64_t item) {
+    const int64_t tid = std::min<int64_t>(at::get_thread_num(), threads - 1);
+    chunk::ChunkWork<T> w(ws0 + tid * work, K, V);
+    if (bf16) w.prod = chunk::ProductWork(products, ws0 + tid * work + chunk_elems, K, V);
+    if (item >= 0) chunk::bind_results(w, store0 + item * item_bytes, K, V, bf16);
+    return w;
+  };
 
   run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt,
                      [&](const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
                          const std::vector<int64_t>& re, int64_t j) {
-    at::parallel_for(0, d.N * HV, 1, [&](int64_t ub, int64_t ue) {
-      chunk::FlushDenormals ftz;
-      const int64_t tid = std::min<int64_t>(at::get_thread_num(), threads - 1);
-      chunk::ChunkWork<T> w(ws0 + tid * work, K, V);
-      if (bf16) {
-        w.prod = chunk::ProductWork(products, ws0 + tid * work + chunk_elems, K, V);
+    // The chunks of sequence n in this block start at cs[n][k] (the last one ends at re[n]);
+    // they start at origin + c * kChunk (a sequence starting inside a chunk has a shorter first
+    // one), so the checkpoints are those of the recurrent forward.
+    std::vector<std::vector<int64_t>> cs(d.N);
+    int64_t most = 0;
+    for (int64_t n = 0; n < d.N; ++n) {
+      for (int64_t t0 = rs[n]; t0 < re[n];) {
+        cs[n].push_back(t0);
+        t0 = std::min(re[n], seqs.origin[n] + ((t0 - seqs.origin[n]) / C + 1) * C);
       }
+      most = std::max<int64_t>(most, cs[n].size());
+    }
+    auto chunk_in = [&](int64_t n, int64_t hv, int64_t k) {
+      const int64_t t0 = cs[n][k];
+      const int64_t t1 = k + 1 < int64_t(cs[n].size()) ? cs[n][k + 1] : re[n];
+      const int64_t h = hv / (HV / H);
+      const int64_t sh = A.seqs.shift ? A.seqs.shift[n] : 0;
+      const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
+      chunk::ChunkIn<T> ci;
+      ci.n = t1 - t0;
+      ci.K = K;
+      ci.V = V;
+      ci.q = A.q + (h * A.BT + t0 - sh) * K;
+      ci.k = A.k + (h * A.BT + t0 - sh) * K;
+      ci.a = A.a + (hv * A.BT + t0 - sh) * K;
+      ci.beta = A.beta + hv * A.BT + t0 - sh;
+      ci.v = A.v + ((t0 - vsh) * HV + hv) * V;
+      ci.ldv = HV * V;
+      return ci;
+    };
+    // The running state lives in ht (between token blocks too); a block that starts a sequence
+    // starts it from h0 (an empty sequence: in block 0).
+    at::parallel_for(0, units, 1, [&](int64_t ub, int64_t ue) {
       for (int64_t u = ub; u < ue; ++u) {
-        const int64_t n = u / HV, hv = u % HV, h = hv / (HV / H);
-        const int64_t ts = seqs.start[n];
-        if (rs[n] == re[n] && !(j == 0 && ts == seqs.end[n])) continue;
-        const int64_t origin = seqs.origin[n], slot_base = seqs.slot_base[n];
-        const int64_t sh = A.seqs.shift ? A.seqs.shift[n] : 0;
-        const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
-        // The running state lives in ht (between token blocks too).
-        T* S = A.ht + (n * HV + hv) * KV;
-        if (rs[n] == ts) {
-          if (s0) {
-            std::memcpy(S, s0 + (n * HV + hv) * KV, sizeof(T) * KV);
-          } else {
-            std::fill(S, S + KV, T(0));
-          }
-        }
-        for (int64_t t0 = rs[n]; t0 < re[n];) {
-          const int64_t c = (t0 - origin) / C;
-          const int64_t t1 = std::min(re[n], origin + (c + 1) * C);
-          if (A.ckpt && (t0 - origin) % C == 0) {
-            std::memcpy(A.ckpt + ((slot_base + c) * HV + hv) * KV, S, sizeof(T) * KV);
-          }
-          chunk::ChunkIn<T> ci;
-          ci.n = t1 - t0;
-          ci.K = K;
-          ci.V = V;
-          ci.q = A.q + (h * A.BT + t0 - sh) * K;
-          ci.k = A.k + (h * A.BT + t0 - sh) * K;
-          ci.a = A.a + (hv * A.BT + t0 - sh) * K;
-          ci.beta = A.beta + hv * A.BT + t0 - sh;
-          ci.v = A.v + ((t0 - vsh) * HV + hv) * V;
-          ci.ldv = HV * V;
-          chunk::chunk_intra(ci, w);
-          chunk::state_step(ci, w, S);
-          T* out = A.o + ((t0 - vsh) * HV + hv) * V;
-          for (int64_t i = 0; i < ci.n; ++i) {
-            std::memcpy(out + i * HV * V, w.o + i * V, sizeof(T) * V);
-          }
-          t0 = t1;
+        const int64_t n = u / HV;
+        if (rs[n] != seqs.start[n] || (j > 0 && rs[n] == re[n])) continue;
+        T* S = A.ht + u * KV;
+        if (s0) {
+          std::memcpy(S, s0 + u * KV, sizeof(T) * KV);
+        } else {
+          std::fill(S, S + KV, T(0));
         }
       }
-      chunk::gemm_release(products);
     });
+    std::vector<int64_t> item_u, item_k;  // the wave's chunks: unit, chunk index
+    for (int64_t k0 = 0; k0 < most; k0 += wave) {
+      item_u.clear();
+      item_k.clear();
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t nk = cs[u / HV].size();
+        for (int64_t k = k0; k < std::min(nk, k0 + wave); ++k) {
+          item_u.push_back(u);
+          item_k.push_back(k);
+        }
+      }
+      const int64_t items = item_u.size();
+      std::atomic<int64_t> next{0};
+      at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+        chunk::FlushDenormals ftz;
+        for (int64_t i = next++; i < items; i = next++) {
+          chunk::ChunkWork<T> w = workspace(i);
+          chunk::chunk_intra(chunk_in(item_u[i] / HV, item_u[i] % HV, item_k[i]), w);
+        }
+        chunk::gemm_release(products);
+      });
+      // Each unit's items are consecutive, in chunk order.
+      at::parallel_for(0, units, 1, [&](int64_t ub, int64_t ue) {
+        chunk::FlushDenormals ftz;
+        int64_t i = std::lower_bound(item_u.begin(), item_u.end(), ub) - item_u.begin();
+        for (; i < items && item_u[i] < ue; ++i) {
+          const int64_t u = item_u[i], n = u / HV, hv = u % HV, k = item_k[i];
+          const int64_t origin = seqs.origin[n], t0 = cs[n][k];
+          T* S = A.ht + u * KV;
+          if (A.ckpt && (t0 - origin) % C == 0) {
+            const int64_t slot = seqs.slot_base[n] + (t0 - origin) / C;
+            std::memcpy(A.ckpt + (slot * HV + hv) * KV, S, sizeof(T) * KV);
+          }
+          chunk::ChunkWork<T> w = workspace(i);
+          const chunk::ChunkIn<T> ci = chunk_in(n, hv, k);
+          chunk::state_step(ci, w, S);
+          const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
+          T* out = A.o + ((t0 - vsh) * HV + hv) * V;
+          for (int64_t r = 0; r < ci.n; ++r) {
+            std::memcpy(out + r * HV * V, w.o + r * V, sizeof(T) * V);
+          }
+        }
+        chunk::gemm_release(products);
+      });
+    }
   });
 }
 

@@ -36,33 +36,35 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   // Per thread: the ChunkWork elements, then (bf16 products) the ProductWork bytes, rounded up
   // to whole 64-byte lines.
   const int64_t chunk_elems = chunk::up(chunk::ChunkWork<T>::elems(K, V));
-  const int64_t work =
-      chunk_elems + (bf16 ? (chunk::ProductWork::bytes(K, V) + 63) / 64 * 64 / int64_t(sizeof(T)) : 0);
+  const int64_t prod_elems = (chunk::ProductWork::bytes(K, V) + 63) / 64 * 64 / int64_t(sizeof(T));
+  const int64_t work = chunk_elems + (bf16 ? prod_elems : 0);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const at::Tensor ws = at::empty({threads * work + 16}, ht.options());
   // 64-byte aligned start (every part of ChunkWork then is too).
   T* const ws0 = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(ws.data_ptr<T>()) + 63) /
                                       64 * 64);
-  // Waves: the next `wave` chunks of every unit. Their state-independent parts (chunk_intra,
-  // ~3/4 of the work) run first, all in parallel, taken one by one from a shared counter (units
-  // differ: strongly decaying heads cost up to twice as much, and with about as many units as
-  // threads a static split leaves most threads waiting for the slowest head), then each unit's
-  // state steps in order. A wave has about 4 chunks per thread; their results (~160 KB each at
-  // K = V = 128) live in `store` until the state steps.
-  const int64_t wave = std::max<int64_t>(1, (4 * threads + units - 1) / units);
+  // Waves: the next `wave` chunks of every unit of a group of at most 4 units per thread. Their
+  // state-independent parts (chunk_intra, ~3/4 of the work) run first, all in parallel, taken
+  // one by one from a shared counter (units differ: strongly decaying heads cost up to twice as
+  // much, and with about as many units as threads a static split leaves most threads waiting
+  // for the slowest head), then each unit's state steps in order. A wave has 4 to 8 chunks per
+  // thread; their results (~160 KB each at K = V = 128) live in `store` until the state steps.
+  const int64_t group = std::min(units, 4 * threads);
+  const int64_t wave = (4 * threads + group - 1) / std::max<int64_t>(1, group);
   const int64_t item_bytes = chunk::result_bytes<T>(K, V, bf16);
-  const at::Tensor store = at::empty({units * wave * item_bytes + 64}, ht.options().dtype(at::kByte));
+  const at::Tensor store =
+      at::empty({group * wave * item_bytes + 64}, ht.options().dtype(at::kByte));
   char* const store0 = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(store.data_ptr()) + 63) / 64 * 64);
   const T* s0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
   constexpr int64_t C = chunk::kC;
 
-  // A thread's workspace, with the results of item `i` of the wave bound when i >= 0.
+  // A thread's workspace, with the results of item `item` of the wave.
   auto workspace = [&](int64_t item) {
     const int64_t tid = std::min<int64_t>(at::get_thread_num(), threads - 1);
     chunk::ChunkWork<T> w(ws0 + tid * work, K, V);
     if (bf16) w.prod = chunk::ProductWork(products, ws0 + tid * work + chunk_elems, K, V);
-    if (item >= 0) chunk::bind_results(w, store0 + item * item_bytes, K, V, bf16);
+    chunk::bind_results(w, store0 + item * item_bytes, K, V, bf16);
     return w;
   };
 
@@ -73,13 +75,11 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
     // they start at origin + c * kChunk (a sequence starting inside a chunk has a shorter first
     // one), so the checkpoints are those of the recurrent forward.
     std::vector<std::vector<int64_t>> cs(d.N);
-    int64_t most = 0;
     for (int64_t n = 0; n < d.N; ++n) {
       for (int64_t t0 = rs[n]; t0 < re[n];) {
         cs[n].push_back(t0);
         t0 = std::min(re[n], seqs.origin[n] + ((t0 - seqs.origin[n]) / C + 1) * C);
       }
-      most = std::max<int64_t>(most, cs[n].size());
     }
     auto chunk_in = [&](int64_t n, int64_t hv, int64_t k) {
       const int64_t t0 = cs[n][k];
@@ -114,49 +114,54 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
       }
     });
     std::vector<int64_t> item_u, item_k;  // the wave's chunks: unit, chunk index
-    for (int64_t k0 = 0; k0 < most; k0 += wave) {
-      item_u.clear();
-      item_k.clear();
-      for (int64_t u = 0; u < units; ++u) {
-        const int64_t nk = cs[u / HV].size();
-        for (int64_t k = k0; k < std::min(nk, k0 + wave); ++k) {
-          item_u.push_back(u);
-          item_k.push_back(k);
+    for (int64_t u0 = 0; u0 < units; u0 += group) {
+      const int64_t u1 = std::min(units, u0 + group);
+      int64_t most = 0;
+      for (int64_t u = u0; u < u1; ++u) most = std::max<int64_t>(most, cs[u / HV].size());
+      for (int64_t k0 = 0; k0 < most; k0 += wave) {
+        item_u.clear();
+        item_k.clear();
+        for (int64_t u = u0; u < u1; ++u) {
+          const int64_t nk = cs[u / HV].size();
+          for (int64_t k = k0; k < std::min(nk, k0 + wave); ++k) {
+            item_u.push_back(u);
+            item_k.push_back(k);
+          }
         }
+        const int64_t items = item_u.size();
+        std::atomic<int64_t> next{0};
+        at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+          chunk::FlushDenormals ftz;
+          for (int64_t i = next++; i < items; i = next++) {
+            chunk::ChunkWork<T> w = workspace(i);
+            chunk::chunk_intra(chunk_in(item_u[i] / HV, item_u[i] % HV, item_k[i]), w);
+          }
+          chunk::gemm_release(products);
+        });
+        // Each unit's items are consecutive, in chunk order.
+        at::parallel_for(u0, u1, 1, [&](int64_t ub, int64_t ue) {
+          chunk::FlushDenormals ftz;
+          int64_t i = std::lower_bound(item_u.begin(), item_u.end(), ub) - item_u.begin();
+          for (; i < items && item_u[i] < ue; ++i) {
+            const int64_t u = item_u[i], n = u / HV, hv = u % HV, k = item_k[i];
+            const int64_t origin = seqs.origin[n], t0 = cs[n][k];
+            T* S = A.ht + u * KV;
+            if (A.ckpt && (t0 - origin) % C == 0) {
+              const int64_t slot = seqs.slot_base[n] + (t0 - origin) / C;
+              std::memcpy(A.ckpt + (slot * HV + hv) * KV, S, sizeof(T) * KV);
+            }
+            chunk::ChunkWork<T> w = workspace(i);
+            const chunk::ChunkIn<T> ci = chunk_in(n, hv, k);
+            chunk::state_step(ci, w, S);
+            const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
+            T* out = A.o + ((t0 - vsh) * HV + hv) * V;
+            for (int64_t r = 0; r < ci.n; ++r) {
+              std::memcpy(out + r * HV * V, w.o + r * V, sizeof(T) * V);
+            }
+          }
+          chunk::gemm_release(products);
+        });
       }
-      const int64_t items = item_u.size();
-      std::atomic<int64_t> next{0};
-      at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-        chunk::FlushDenormals ftz;
-        for (int64_t i = next++; i < items; i = next++) {
-          chunk::ChunkWork<T> w = workspace(i);
-          chunk::chunk_intra(chunk_in(item_u[i] / HV, item_u[i] % HV, item_k[i]), w);
-        }
-        chunk::gemm_release(products);
-      });
-      // Each unit's items are consecutive, in chunk order.
-      at::parallel_for(0, units, 1, [&](int64_t ub, int64_t ue) {
-        chunk::FlushDenormals ftz;
-        int64_t i = std::lower_bound(item_u.begin(), item_u.end(), ub) - item_u.begin();
-        for (; i < items && item_u[i] < ue; ++i) {
-          const int64_t u = item_u[i], n = u / HV, hv = u % HV, k = item_k[i];
-          const int64_t origin = seqs.origin[n], t0 = cs[n][k];
-          T* S = A.ht + u * KV;
-          if (A.ckpt && (t0 - origin) % C == 0) {
-            const int64_t slot = seqs.slot_base[n] + (t0 - origin) / C;
-            std::memcpy(A.ckpt + (slot * HV + hv) * KV, S, sizeof(T) * KV);
-          }
-          chunk::ChunkWork<T> w = workspace(i);
-          const chunk::ChunkIn<T> ci = chunk_in(n, hv, k);
-          chunk::state_step(ci, w, S);
-          const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
-          T* out = A.o + ((t0 - vsh) * HV + hv) * V;
-          for (int64_t r = 0; r < ci.n; ++r) {
-            std::memcpy(out + r * HV * V, w.o + r * V, sizeof(T) * V);
-          }
-        }
-        chunk::gemm_release(products);
-      });
     }
   });
 }

@@ -473,125 +473,6 @@ template void run_fwd_blocked<double>(const Inputs&, const Config&, const Dims&,
 
 namespace {
 
-// The forward in per-head units (no shared token blocks): unit (n, hv) pre-processes the rows of
-// its own head, kSub tokens at a time, into its thread's scratch (in L1/L2), and runs the
-// recurrence of all V-slices over them; one parallel region per call. Against run_fwd_blocked
-// this removes the two barriers per token block and the block workspace's round trip through
-// the shared cache; at 16 threads the blocked pre-processing pass was memory-bound (a third of
-// the call at H32 on the 16-core server). Used when every unit is a whole head (at least as many
-// heads as threads; with fewer, run_fwd_blocked splits heads into V-slice groups) and q, v and o
-// are in the compute dtype (16-bit g or beta are widened as they are read). The same element
-// computations in the same order as the blocked path
-// (pre-processing per element; the recurrence restarts a range with the same sums), so the
-// result is bitwise that of run_fwd_blocked, whatever the thread count.
-template <typename T>
-bool run_per_head(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
-                  const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
-                  const at::Tensor& ckpt, int64_t threads) {
-  const auto ct = compute_dtype(in.q);
-  const auto q_st = storage_of(in.q.scalar_type(), ct), g_st = storage_of(in.g.scalar_type(), ct),
-             b_st = storage_of(in.beta.scalar_type(), ct);
-  if (!(q_st && g_st && b_st) || in.v.scalar_type() != ct || o.scalar_type() != ct ||
-      d.N * d.HV < threads) {
-    return false;
-  }
-  const auto& tab = kernels::table();
-  auto [fwd, prep] = [&]() {
-    if constexpr (std::is_same_v<T, float>) {
-      return std::make_pair(tab.fwd_f32, tab.prep_f32);
-    } else {
-      return std::make_pair(tab.fwd_f64, tab.prep_f64);
-    }
-  }();
-  constexpr int64_t kSub = kernels::kChunk;  // tokens pre-processed at a time (~130 KB of rows)
-  const int64_t BT = d.B * d.T;
-  const at::Tensor q = in.q.reshape({BT, d.H * d.K}).contiguous();
-  const at::Tensor k = in.k.reshape({BT, d.H * d.K}).contiguous();
-  const at::Tensor g = in.g.reshape({BT, d.HV * d.K}).contiguous();
-  const at::Tensor beta = in.beta.reshape({BT, d.HV}).contiguous();
-  const at::Tensor v = in.v.reshape({BT, d.HV * d.V}).contiguous();
-  at::Tensor expA, bias;
-  if (cfg.use_gate_in_kernel && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
-  if (cfg.use_gate_in_kernel && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
-
-  kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, kSub);
-  P.q_store = *q_st;
-  P.g_store = *g_st;
-  P.beta_store = *b_st;
-  auto in_ptr = [](const at::Tensor& t, kernels::Storage st, const T*& p32, const uint16_t*& p16) {
-    if (st == kernels::Storage::kCompute) {
-      p32 = t.data_ptr<T>();
-    } else {
-      p16 = static_cast<const uint16_t*>(t.data_ptr());
-    }
-  };
-  in_ptr(q, P.q_store, P.q, P.q16);
-  in_ptr(k, P.q_store, P.k, P.k16);
-  in_ptr(g, P.g_store, P.g, P.g16);
-  in_ptr(beta, P.beta_store, P.beta, P.beta16);
-  P.expA = expA.defined() ? expA.data_ptr<T>() : nullptr;
-  P.dt_bias = bias.defined() ? bias.data_ptr<T>() : nullptr;
-
-  kernels::FwdArgs<T> A0;
-  A0.seqs = seq_info(seqs);
-  A0.BT = kSub;
-  A0.H = d.H;
-  A0.HV = d.HV;
-  A0.K = d.K;
-  A0.V = d.V;
-  A0.v = v.data_ptr<T>();
-  A0.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
-  A0.o = o.data_ptr<T>();
-  A0.ht = ht.data_ptr<T>();
-  A0.ckpt = ckpt.defined() && ckpt.numel() > 0 ? ckpt.data_ptr<T>() : nullptr;
-  A0.head_rows = true;
-
-  // Per thread: the kernel's scratch, then the head's rows (q, k, a, ak: kSub x K; beta: kSub),
-  // and the row shift of every sequence (the kernel reads shift[n]).
-  const int64_t n_slices = (d.V + kernels::kFwdSlice - 1) / kernels::kFwdSlice;
-  const int64_t fwd_elems = kernels::fwd_scratch_elems(d.K, n_slices);
-  const int64_t rows_elems = (4 * kSub * d.K + kSub + 15) / 16 * 16;
-  const int64_t stride = fwd_elems + rows_elems;
-  const at::Tensor scratch = empty_output({threads * stride}, in.q.options().dtype(ct));
-  std::vector<int64_t> shifts(static_cast<size_t>(threads * d.N), 0);
-  FirstBad bad;
-  at::parallel_for(0, d.N * d.HV, 1, [&](int64_t begin, int64_t end) {
-    const int64_t tid = std::min<int64_t>(at::get_thread_num(), threads - 1);
-    T* const ws = scratch.data_ptr<T>() + tid * stride;
-    T* const rows = ws + fwd_elems;
-    kernels::PrepArgs<T> Pu = P;
-    Pu.q_out = rows;
-    Pu.k_out = rows + kSub * d.K;
-    Pu.a_out = rows + 2 * kSub * d.K;
-    Pu.ak_out = rows + 3 * kSub * d.K;
-    Pu.beta_out = rows + 4 * kSub * d.K;
-    kernels::FwdArgs<T> A = A0;
-    int64_t* const shift = shifts.data() + tid * d.N;
-    A.seqs.shift = shift;
-    A.q = Pu.q_out;
-    A.k = Pu.k_out;
-    A.a = Pu.a_out;
-    A.ak = Pu.ak_out;
-    A.beta = Pu.beta_out;
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t n = u / d.HV, hv = u % d.HV;
-      const int64_t rs = seqs.start[n], re = seqs.end[n];
-      Pu.head = hv;
-      // An empty sequence still runs once, so its final state is its initial state.
-      for (int64_t t0 = rs; t0 < re || (t0 == rs && rs == re); t0 += kSub) {
-        const int64_t t1 = std::min(re, t0 + kSub);
-        Pu.out_shift = t0;
-        shift[n] = t0;
-        if (t1 > t0) bad.add(prep(Pu, t0, t1));
-        fwd(A, n, hv, 0, n_slices, t0, t1, ws);
-        if (t1 == re) break;
-      }
-    }
-  });
-  report_domain(bad, in, cfg, d);
-  return true;
-}
-
 // The recurrence over one token block (run_fwd_blocked's BlockRunner).
 template <typename T>
 void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
@@ -612,7 +493,6 @@ void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Seq
   const int64_t n_slices = (d.V + kernels::kFwdSlice - 1) / kernels::kFwdSlice;
   const int64_t heads = std::max<int64_t>(1, d.N * d.HV);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  if (run_per_head<T>(in, cfg, d, seqs, h0, o, ht, ckpt, threads)) return;
   const int64_t groups =
       std::max<int64_t>(1, std::min(n_slices, (2 * threads + heads - 1) / heads));
   const int64_t units = d.N * d.HV * groups;

@@ -424,11 +424,6 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
   // Lanes that ever held a log-decay > 0 (NaN compares false: it propagates, it is not rejected).
   // One OR per vector; the offending index is searched only if a lane is set.
   decltype(zero > zero) g_pos{};
-  // The heads of this pass (all, or one value head and its key head) and their output offsets.
-  const bool one = P.head >= 0;
-  const int64_t hv_lo = one ? P.head : 0, hv_hi = one ? P.head + 1 : HV;
-  const int64_t h_lo = one ? P.head / (HV / H) : 0, h_hi = one ? h_lo + 1 : H;
-  const int64_t row_of_head = one ? 0 : BT;  // the outputs' rows per head
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t ti = t - P.in_shift, to = t - P.out_shift;  // input / output rows of token t
     // q, k: l2 norm (optional) and scale.
@@ -438,9 +433,9 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       T* dst = which == 0 ? P.q_out : P.k_out;
       T* rn_out = which == 0 ? P.q_rnorm : P.k_rnorm;
       const T mult = which == 0 ? P.scale : T(1);
-      for (int64_t h = h_lo; h < h_hi; ++h) {
+      for (int64_t h = 0; h < H; ++h) {
         const int64_t x0 = (ti * H + h) * K;
-        T* y = dst + (h * row_of_head + to) * K;
+        T* y = dst + (h * BT + to) * K;
         T f = mult;
         if (P.l2norm) {
           V acc{};
@@ -458,13 +453,12 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       }
     }
     // gate and decay
-    for (int64_t hv = hv_lo; hv < hv_hi; ++hv) {
+    for (int64_t hv = 0; hv < HV; ++hv) {
       const int64_t g0 = (ti * HV + hv) * K;
       const T* bias = P.dt_bias ? P.dt_bias + hv * K : nullptr;
-      T* a = P.a_out + (hv * row_of_head + to) * K;
-      T* ak = P.ak_out + (hv * row_of_head + to) * K;
-      // khat of this value head's key head
-      const T* kh = P.k_out + ((hv / (HV / H)) * row_of_head + to) * K;
+      T* a = P.a_out + (hv * BT + to) * K;
+      T* ak = P.ak_out + (hv * BT + to) * K;
+      const T* kh = P.k_out + ((hv / (HV / H)) * BT + to) * K;  // khat of this value head's key
       T* gout = P.g_out ? P.g_out + (to * HV + hv) * K : nullptr;
       T* sout = P.s_out ? P.s_out + (to * HV + hv) * K : nullptr;
       // exp(A_log) overflowed (A_log > log(max)): the bounded gate's sigmoid(inf * z) is its
@@ -500,14 +494,14 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       }
     }
     // beta
-    for (int64_t hv = hv_lo; hv < hv_hi; ++hv) {
+    for (int64_t hv = 0; hv < HV; ++hv) {
       T b = load1_in(P.beta, P.beta16, P.beta_store, ti * HV + hv);
       if (P.beta_sigmoid) {
         b = P.beta_mult * (T(1) / (T(1) + s_exp(-b)));
       } else if ((b < T(0) || b > T(2)) && rep.bad_beta < 0) {
         rep.bad_beta = t * HV + hv;
       }
-      P.beta_out[hv * row_of_head + to] = b;
+      P.beta_out[hv * BT + to] = b;
     }
     // v (16-bit, forward blocks): widened into the block's compute-type rows.
     if (P.v16) {
@@ -520,16 +514,13 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
   }
   bool any_g = false;
   for (int64_t l = 0; l < L; ++l) any_g = any_g || g_pos[l] != 0;
-  if (any_g) {  // the first (smallest) index t * HV * K + hv * K + i of this pass's heads
-    for (int64_t t = t0; t < t1 && rep.bad_g < 0; ++t) {
-      const int64_t ti = t - P.in_shift;
-      for (int64_t hv = hv_lo; hv < hv_hi && rep.bad_g < 0; ++hv) {
-        for (int64_t i = 0; i < K; ++i) {
-          if (load1_in(P.g, P.g16, P.g_store, (ti * HV + hv) * K + i) > T(0)) {
-            rep.bad_g = (t * HV + hv) * K + i;
-            break;
-          }
-        }
+  if (any_g) {
+    const int64_t n = (t1 - t0) * HV * K;
+    const int64_t g0 = (t0 - P.in_shift) * HV * K;  // rows of tokens [t0, t1) are consecutive
+    for (int64_t j = 0; j < n; ++j) {
+      if (load1_in(P.g, P.g16, P.g_store, g0 + j) > T(0)) {
+        rep.bad_g = t0 * HV * K + j;
+        break;
       }
     }
   }
@@ -552,12 +543,11 @@ void fwd_block(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   const int64_t ckpt_off = hv * K * Vd + j0;  // in one slot of [slots, HV, K, V]
   const int64_t slot_stride = HV * K * Vd;
   // Rows of the pre-processed arrays at the local token index (t - sh).
-  const int64_t rows = A.head_rows ? 0 : A.BT;  // rows per head of the pre-processed arrays
-  const T* a_h = A.a + (hv * rows - sh) * K;
-  const T* ak_h = A.ak + (hv * rows - sh) * K;
-  const T* k_h = A.k + (h * rows - sh) * K;
-  const T* q_h = A.q + (h * rows - sh) * K;
-  const T* b_h = A.beta + hv * rows - sh;
+  const T* a_h = A.a + (hv * A.BT - sh) * K;
+  const T* ak_h = A.ak + (hv * A.BT - sh) * K;
+  const T* k_h = A.k + (h * A.BT - sh) * K;
+  const T* q_h = A.q + (h * A.BT - sh) * K;
+  const T* b_h = A.beta + hv * A.BT - sh;
 
   V r[NV];
   if (t0 == rs) {

@@ -59,9 +59,6 @@ struct FwdArgs : RecurrenceInputs<T> {
   // starts a sequence reads h0, any later range reads ht).
   T* ht = nullptr;
   T* ckpt = nullptr;        // [slots, HV, K, V] or null (no checkpoints)
-  // q, k, a, ak and beta hold the rows of the unit's own head only (no head offset: [rows, K]
-  // and [rows], sequence n's token t at row t - seqs.shift[n]); the forward's per-head units.
-  bool head_rows = false;
 };
 
 // The backward: BT (of RecurrenceInputs) is the token stride of the pre-processed block arrays
@@ -113,10 +110,6 @@ struct PrepArgs {
   // Token t is read at row t - in_shift of q, k, g, beta and written at t - out_shift of the
   // outputs (token blocks of the forward; 0 for whole arrays). BT is the outputs' token stride.
   int64_t in_shift = 0, out_shift = 0;
-  // One head only (the forward's per-head units): with head >= 0 the pass pre-processes value
-  // head `head` and its key head, into outputs that hold that head alone (q_out, k_out, a_out,
-  // ak_out [rows, K], beta_out [rows]: no head offset); no 16-bit v, no backward outputs.
-  int64_t head = -1;
   T scale = 1;
   bool l2norm = false;
   GateMode gate = GateMode::kNone;

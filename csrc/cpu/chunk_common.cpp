@@ -109,7 +109,9 @@ inline void transpose(const T* __restrict src, int64_t rows, int64_t cols, int64
 // (the packed B takes rows in pairs; its rows there are zero): zero columns [from, to) of `rows`
 // rows, so no stale value (possibly inf or NaN) meets those zeros.
 inline void zero_cols(at::BFloat16* a, int64_t rows, int64_t ld, int64_t from, int64_t to) {
-  for (int64_t r = 0; r < rows; ++r) std::fill(a + r * ld + from, a + r * ld + to, at::BFloat16(0.0f));
+  for (int64_t r = 0; r < rows; ++r) {
+    std::fill(a + r * ld + from, a + r * ld + to, at::BFloat16(0.0f));
+  }
 }
 
 }  // namespace
@@ -146,7 +148,7 @@ ChunkWork<T>::ChunkWork(T* base, int64_t K, int64_t V) {
 
 namespace {
 
-// The result parts in a store: (elements of T or bf16, bf16?) in order.
+// Bytes of one part of a chunk's result store (elems of `size` bytes), whole 64-byte lines.
 inline int64_t result_part_bytes(int64_t elems, int64_t size) {
   return (elems * size + 63) / 64 * 64;
 }
@@ -506,7 +508,7 @@ KDA_CLONES void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S) {
 #define KDA_CHUNK_INSTANTIATE(T)                                         \
   template struct ChunkWork<T>;                                          \
   template int64_t result_bytes<T>(int64_t, int64_t, bool);              \
-  template void bind_results<T>(ChunkWork<T>&, void*, int64_t, int64_t, bool); \
+  template void bind_results<T>(ChunkWork<T>&, void*, int64_t, int64_t, bool);  \
   template void decay_factors<T>(const ChunkIn<T>&, ChunkWork<T>&);      \
   template void intra_am<T>(const ChunkIn<T>&, ChunkWork<T>&);           \
   template void solve_wu<T>(const ChunkIn<T>&, ChunkWork<T>&);           \

@@ -40,8 +40,8 @@ Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char*
 int64_t ProductWork::bytes(int64_t K, int64_t V) {
   const int64_t R = std::max(K, kC);
   const int64_t h = sizeof(at::BFloat16);
-  return up_bytes(kC * K * h) * 2 + up_bytes(K * kC * h) + up_bytes(kC * kC * h) +
-         up_bytes(R * V * h) + up_bytes(K * V * 4) + up_bytes(kC * V * 4) + up_bytes(R * R * 4);
+  return up_bytes(kC * K * h) + up_bytes(kC * kC * h) + up_bytes(R * V * h) + up_bytes(K * V * 4) +
+         up_bytes(kC * V * 4) + up_bytes(R * R * 4);
 }
 
 ProductWork::ProductWork(Products mode_, void* base, int64_t K, int64_t V) : mode(mode_) {
@@ -53,9 +53,7 @@ ProductWork::ProductWork(Products mode_, void* base, int64_t K, int64_t V) : mod
   };
   const int64_t R = std::max(K, kC);
   const int64_t h = sizeof(at::BFloat16);
-  qg = reinterpret_cast<at::BFloat16*>(take(kC * K * h));
   nw = reinterpret_cast<at::BFloat16*>(take(kC * K * h));
-  kdecT = reinterpret_cast<at::BFloat16*>(take(K * kC * h));
   m = reinterpret_cast<at::BFloat16*>(take(kC * kC * h));
   round = reinterpret_cast<at::BFloat16*>(take(R * V * h));
   s = take(K * V * 4);   // packed bf16 needs half of this; the emulation's fp32 all of it

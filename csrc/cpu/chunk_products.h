@@ -37,8 +37,9 @@ enum class Products {
 Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op);
 
 // Per-thread operands of the bf16 state products, in one buffer of bytes(K, V) bytes (64-byte
-// aligned parts if base is). A operands (bf16, row-major, zero past the chunk's rows/columns
-// where a product reads them):
+// aligned parts if base is), except qg and kdecT, which are per chunk (chunk::bind_results points
+// them into the forward's store of chunk results). A operands (bf16, row-major, zero past the
+// chunk's rows/columns where a product reads them):
 //   qg    [kC, K]   (q_i . Gam_i), written by decay_factors
 //   kdecT [K, kC]   end-decayed keys, transposed, written by decay_factors
 //   nw    [kC, K]   -W (from the solve)

@@ -261,3 +261,48 @@ def test_serving_calls_reject_out_of_domain_values_before_touching_the_pool(back
             _call(torch_kda.fused_recurrent_kda, p, backend, beta=p.beta + 3, initial_state=pool,
                   ssm_state_indices=idx, inplace_final_state=True)
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("beta_sigmoid,mult", [(False, 1.0), (True, 1.0), (True, 2.0)])
+@pytest.mark.parametrize("headwise", [False, True])
+def test_native_unstable_write_finds_the_first_flat_index(dtype, beta_sigmoid, mult, headwise):
+    # kda::_unstable_write (csrc/cpu/unstable_writes.cpp) against the rule written out in float64:
+    # the first flat index of beta [B, T, HV(, V)] with beta' * ||k[b, t, hv // (HV / H)]||^2 > 2.
+    gen = torch.Generator().manual_seed(43)
+    B, T, H, HV, K, V = 2, 300, 2, 4, 9, 3  # T * H = 600 rows: several chunks of the parallel loop
+    k = (torch.randn(B, T, H, K, generator=gen) * 0.15).to(dtype)  # ||k||^2 ~ 0.2: all stable
+    shape = (B, T, HV, V) if headwise else (B, T, HV)
+    beta = (torch.randn(shape, generator=gen) if beta_sigmoid else torch.rand(shape, generator=gen)
+            ).to(dtype)
+    op = torch.ops.kda._unstable_write
+
+    def expected():
+        kn2 = k.double().pow(2).sum(-1).repeat_interleave(HV // H, dim=2)
+        b = beta.double()
+        b = torch.sigmoid(b) * mult if beta_sigmoid else b
+        bad = (b * (kn2.unsqueeze(-1) if headwise else kn2)).flatten() > 2
+        return int(bad.nonzero()[0]) if bool(bad.any()) else -1
+
+    assert op(k, beta, beta_sigmoid, mult) == expected() == -1
+    k[1, 200, 1] *= 8.0  # ||k||^2 ~ 13: unstable where beta' > 0.15 (value heads 2, 3 of key head 1)
+    k[1, 250, 0] *= 8.0
+    got = op(k, beta, beta_sigmoid, mult)
+    assert got == expected() and got >= 0
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert op(k, beta, beta_sigmoid, mult) == got
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_native_unstable_write_rejects_inconsistent_shapes():
+    op = torch.ops.kda._unstable_write
+    k = torch.randn(2, 3, 2, 8)
+    with pytest.raises(ValueError, match=r"kda::_unstable_write: beta must be"):
+        op(k, torch.rand(2, 3, 3), False, 1.0)  # HV = 3 not a multiple of H = 2
+    with pytest.raises(ValueError, match=r"kda::_unstable_write: k must be 4-D"):
+        op(k[0], torch.rand(2, 3, 2), False, 1.0)
+    with pytest.raises(TypeError, match=r"kda::_unstable_write: k and beta must be floating"):
+        op(k.long(), torch.rand(2, 3, 2), False, 1.0)

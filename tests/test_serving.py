@@ -375,12 +375,18 @@ def test_decode_final_state_non_temporal_stores_write_the_same_bits(monkeypatch,
         kw["initial_state"] = _pool(5, 4, 32, 48, v_first)
         kw["ssm_state_indices"] = torch.tensor([4, 0, 2])
     results = []
-    for stream in ("0", "1"):
-        monkeypatch.setenv("TORCH_KDA_DECODE_STREAM", stream)
-        with torch.no_grad():
-            results.append(torch_kda.fused_recurrent_kda(*p.args, **kw, backend="native"))
-    (o0, s0), (o1, s1) = results
+    old = torch.get_num_threads()
+    try:
+        for stream, threads in (("0", 1), ("1", 1), ("1", 3)):
+            monkeypatch.setenv("TORCH_KDA_DECODE_STREAM", stream)
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                results.append(torch_kda.fused_recurrent_kda(*p.args, **kw, backend="native"))
+    finally:
+        torch.set_num_threads(old)
+    (o0, s0), (o1, s1), (o3, s3) = results
     assert torch.equal(o0, o1) and torch.equal(s0, s1)
+    assert torch.equal(o1, o3) and torch.equal(s1, s3)
     start = kw["initial_state"][kw["ssm_state_indices"]] if pool else kw["initial_state"]
     o_ref, s_ref = _oracle_from(p, start, v_first)
     assert rel_err(o1, o_ref) < TOL and rel_err(s1, s_ref) < TOL

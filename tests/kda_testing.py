@@ -147,3 +147,18 @@ def grads(fn, p: Problem, seed: int = 123) -> Dict[str, Optional[torch.Tensor]]:
     names = list(ts)
     gs = torch.autograd.grad(loss, [ts[n] for n in names], allow_unused=True)
     return dict(zip(names, gs))
+
+
+def per_thread_count(fn, counts: Sequence[int] = (1, 2, 3)) -> list:
+    """``[fn() run with torch.set_num_threads(n) for n in counts]``; the thread count is restored.
+
+    For the bitwise-determinism tests: the native ops must give the same bits for any count."""
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for n in counts:
+            torch.set_num_threads(n)
+            results.append(fn())
+        return results
+    finally:
+        torch.set_num_threads(before)

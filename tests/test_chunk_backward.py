@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import chunk_backward_math as cm
-from kda_testing import GATES, make_problem, rel_err
+from kda_testing import GATES, make_problem, per_thread_count, rel_err
 from torch_kda import reference
 
 OP_ARGS = ("scale", "initial_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
@@ -255,14 +255,7 @@ def test_bitwise_identical_for_one_two_three_threads():
     p = make_problem(B=1, T=300, H=2, HV=4, K=9, V=20, gate="softplus",
                      seqlens=(100, 3, 197), seed=9)
     do, ds = cotangents(p)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(native_grads(p.to(torch.float32), do, ds))
-    finally:
-        torch.set_num_threads(before)
+    results = per_thread_count(lambda: native_grads(p.to(torch.float32), do, ds))
     for r in results[1:]:
         for name, t in r.items():
             assert torch.equal(t, results[0][name]), name

@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 
-from kda_testing import GATES, grads, make_problem, op_args, rel_err
+from kda_testing import GATES, grads, make_problem, op_args, per_thread_count, rel_err
 from oracle import oracle_kda
 from torch_kda import reference
 
@@ -128,14 +128,7 @@ def test_saturated_in_op_gate(gate):
 def test_bitwise_identical_for_one_two_three_threads():
     p = make_problem(B=1, T=200, H=1, HV=3, K=33, V=70, gate="softplus", seed=9,
                      seqlens=(130, 5, 65)).to(torch.float32)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(torch.ops.kda.chunk_fwd(*op_args(p)))
-    finally:
-        torch.set_num_threads(before)
+    results = per_thread_count(lambda: torch.ops.kda.chunk_fwd(*op_args(p)))
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import torch_kda
-from kda_testing import make_problem
+from kda_testing import make_problem, per_thread_count
 
 
 N_THREADS = 6
@@ -140,14 +140,7 @@ def test_bitwise_identical_for_1_2_3_4_intra_op_threads(case):
                       dtype=torch.float64),
          make_problem(B=3, T=65, H=2, HV=6, K=5, V=97, gate="none", seed=602,
                       dtype=torch.bfloat16)][case]
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 2, 3, 4):
-            torch.set_num_threads(n)
-            results.append(_forward_backward(p, seed=case))
-    finally:
-        torch.set_num_threads(before)
+    results = per_thread_count(lambda: _forward_backward(p, seed=case), (1, 2, 3, 4))
     for n, res in zip((2, 3, 4), results[1:]):
         for j, (a, b) in enumerate(zip(res, results[0])):
             assert torch.equal(a, b), f"{n} threads vs 1: tensor {j}"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torch_kda
-from kda_testing import GATES, OP_ARGS, grads, make_problem, op_args, rel_err
+from kda_testing import GATES, OP_ARGS, grads, make_problem, op_args, per_thread_count, rel_err
 from torch_kda import reference
 
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -135,17 +135,13 @@ def test_torch_compile_fullgraph_forward_and_backward():
 
 def test_bitwise_identical_for_one_and_two_threads():
     p = make_problem(B=1, T=150, H=1, HV=2, K=9, V=70, gate="softplus", seed=9)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            x = p.to(torch.float32, requires_grad=True)
-            o, s = native(x)
-            g = grads(native, x)
-            results.append([o, s, *g.values()])
-    finally:
-        torch.set_num_threads(before)
+
+    def run():
+        x = p.to(torch.float32, requires_grad=True)
+        o, s = native(x)
+        return [o, s, *grads(native, x).values()]
+
+    results = per_thread_count(run, (1, 2))
     for a, b in zip(*results):
         assert torch.equal(a, b)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torch_kda
-from kda_testing import grads, make_problem, rel_err
+from kda_testing import grads, make_problem, per_thread_count, rel_err
 from torch_kda import reference
 
 
@@ -67,18 +67,14 @@ def test_half_inputs_converted_per_block_equal_fp32_inputs_of_the_same_values(dt
 
 def test_token_blocks_are_bitwise_identical_for_one_and_two_threads_with_gradients():
     p = make_problem(B=1, T=420, H=8, HV=16, K=130, V=6, gate="softplus", seed=11)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            x = p.to(torch.float32, requires_grad=True)
-            o, s = native(x)
-            loss = (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() + s.square().sum()
-            gs = torch.autograd.grad(loss, list(x.tensors().values()))
-            results.append([o, s, *gs])
-    finally:
-        torch.set_num_threads(before)
+
+    def run():
+        x = p.to(torch.float32, requires_grad=True)
+        o, s = native(x)
+        loss = (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() + s.square().sum()
+        return [o, s, *torch.autograd.grad(loss, list(x.tensors().values()))]
+
+    results = per_thread_count(run, (1, 2))
     for a, b in zip(*results):
         assert torch.equal(a, b)
 

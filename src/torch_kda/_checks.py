@@ -3,7 +3,7 @@
 Every public entry point (``torch_kda.chunk_kda``, ``torch_kda.fused_recurrent_kda``, the
 reference functions, ``kda_gate``) funnels its arguments through :func:`check_kda_inputs` or
 :func:`check_gate_args`, which raise ``TypeError``/``ValueError`` naming the argument, the
-expected and the actual value (DESIGN.md, "Policies"), and return a normalised bundle.
+expected and the actual value (docs/bad_inputs.md), and return a normalised bundle.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class KDAInputs:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """float64 for float64 ``q``, float32 otherwise (DESIGN.md "Dtypes")."""
+        """float64 for float64 ``q``, float32 otherwise (README: fp32 arithmetic, fp64 for fp64 inputs)."""
         return torch.float64 if self.q.dtype == torch.float64 else torch.float32
 
     @property

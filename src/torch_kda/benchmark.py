@@ -2,8 +2,8 @@
 
 One engine for both front ends: ``benchmarks/bench_cpu.py`` (the full protocol, the numbers in
 docs/benchmarks.md) and ``python -m torch_kda bench`` (the same measurements, standard or
-``--quick`` shapes, from the installed package). Implements the "Performance protocol" of
-DESIGN.md and checks the targets of issue 3. In ONE run, interleaved (every repetition times every
+``--quick`` shapes, from the installed package). Implements the measurement protocol of
+docs/benchmarks.md ("CPU: how the numbers are made") and checks the targets of issue 3. In ONE run, interleaved (every repetition times every
 backend and thread count before the next repetition starts, so a burst of load from other processes
 hits all of them alike; medians are reported):
 

@@ -264,29 +264,18 @@ InputGrads empty_input_grads(const Dims& d, const Inputs& in, const Config& cfg)
 
 template <typename T>
 void chain_rule_rows(const ChainArgs<T>& C, const BlockRows& rows, const ChainGlobals<T>& G) {
-  const int64_t N = static_cast<int64_t>(rows.rs.size());
-  const int64_t used = rows.loc[N];
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, used / (4 * threads)));
   const int64_t H = C.H, HV = C.HV, K = C.K;
-  at::parallel_for(0, used, grain, [&](int64_t b, int64_t e) {
-    int64_t n = static_cast<int64_t>(std::upper_bound(rows.loc.begin(), rows.loc.begin() + N, b) -
-                                     rows.loc.begin()) - 1;
-    while (b < e) {
-      while (rows.loc[n + 1] <= b) ++n;
-      const int64_t stop = std::min(e, rows.loc[n + 1]);
-      const int64_t sh = rows.shift[n];
-      ChainArgs<T> Cn = C;
-      Cn.q = G.q + sh * H * K;
-      if (G.g) Cn.g = G.g + sh * HV * K;
-      Cn.dq = G.dq + sh * H * K;
-      Cn.dk = G.dk + sh * H * K;
-      Cn.dg = G.dg + sh * HV * K;
-      Cn.dbeta = G.dbeta + sh * HV;
-      Cn.dA_rows = G.dA_rows ? G.dA_rows + sh * HV : nullptr;
-      chain_rule_tokens<T>(Cn, b, stop);
-      b = stop;
-    }
+  parallel_block_rows(rows, [&](int64_t n, int64_t b, int64_t stop) {
+    const int64_t sh = rows.shift[n];
+    ChainArgs<T> Cn = C;
+    Cn.q = G.q + sh * H * K;
+    if (G.g) Cn.g = G.g + sh * HV * K;
+    Cn.dq = G.dq + sh * H * K;
+    Cn.dk = G.dk + sh * H * K;
+    Cn.dg = G.dg + sh * HV * K;
+    Cn.dbeta = G.dbeta + sh * HV;
+    Cn.dA_rows = G.dA_rows ? G.dA_rows + sh * HV : nullptr;
+    chain_rule_tokens<T>(Cn, b, stop);
   });
 }
 template void chain_rule_rows<float>(const ChainArgs<float>&, const BlockRows&,

@@ -185,6 +185,24 @@ void bind_results(ChunkWork<T>& w, void* store, int64_t K, int64_t V, bool bf16)
   }
 }
 
+// Rows [first, last] of kr: k_j . a_{j+1} ... a_last (keys decayed to token last, a running
+// product walked backwards; every factor <= 1). Inlined into the multi-versioned callers.
+template <typename T>
+inline void keys_decayed_to(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t first, int64_t last) {
+  const int64_t K = c.K;
+  T* __restrict run = w.w;
+  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
+  for (int64_t j = last; j >= first; --j) {
+    const T* __restrict k = c.k + j * K;
+    const T* __restrict a = c.a + j * K;
+    T* __restrict kr = w.kr + j * K;
+    for (int64_t d = 0; d < K; ++d) {
+      kr[d] = k[d] * run[d];
+      run[d] *= a[d];
+    }
+  }
+}
+
 template <typename T>
 KDA_CLONES void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
   const int64_t n = c.n, K = c.K;
@@ -212,18 +230,9 @@ KDA_CLONES void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
       qg[d] = q[d] * run[d];
     }
   }
-  // kdec_i = k_i . prod_{t>i} a_t (a running product from the chunk end), token-major in kr,
-  // then transposed into kdecT.
-  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
-  for (int64_t i = n - 1; i >= 0; --i) {
-    const T* __restrict k = c.k + i * K;
-    const T* __restrict a = c.a + i * K;
-    T* __restrict kr = w.kr + i * K;
-    for (int64_t d = 0; d < K; ++d) {
-      kr[d] = k[d] * run[d];
-      run[d] *= a[d];
-    }
-  }
+  // kdec_i = k_i . prod_{t>i} a_t (keys decayed to the chunk end), token-major in kr, then
+  // transposed into kdecT.
+  keys_decayed_to(c, w, 0, n - 1);
   if (bf16) {
     transpose(w.kr, n, K, K, w.prod.kdecT, kC);
     zero_cols(w.prod.kdecT, K, kC, n, (n + kSub - 1) / kSub * kSub);
@@ -256,16 +265,7 @@ inline void offdiag_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t r0, int6
       lqq[d] = q[d] * run[d];
     }
   }
-  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
-  for (int64_t j = r0 - 1; j >= c0; --j) {
-    const T* __restrict k = c.k + j * K;
-    const T* __restrict a = c.a + j * K;
-    T* __restrict kr = w.kr + j * K;
-    for (int64_t d = 0; d < K; ++d) {
-      kr[d] = k[d] * run[d];
-      run[d] *= a[d];
-    }
-  }
+  keys_decayed_to(c, w, c0, r0 - 1);
   transpose(w.kr + c0 * K, r0 - c0, K, K, w.krT, kC);
   gemm(2 * (r1 - r0), r0 - c0, K, w.lq, K, w.krT, kC, w.am + 2 * r0 * kC + c0, kC, false);
 }
@@ -305,18 +305,7 @@ inline bool factored_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int
     }
   }
   const int64_t c0 = with_left ? 0 : lo;
-  if (with_left) {
-    for (int64_t d = 0; d < K; ++d) run[d] = T(1);
-    for (int64_t j = lo - 1; j >= 0; --j) {
-      const T* __restrict k = c.k + j * K;
-      const T* __restrict a = c.a + j * K;
-      T* __restrict kr = w.kr + j * K;
-      for (int64_t d = 0; d < K; ++d) {
-        kr[d] = k[d] * run[d];
-        run[d] *= a[d];
-      }
-    }
-  }
+  if (with_left) keys_decayed_to(c, w, 0, lo - 1);
   transpose(w.kr + c0 * K, hi - c0, K, K, w.krT, kC);
   gemm(2 * (hi - lo), hi - c0, K, w.lq, K, w.krT, kC, w.am + 2 * lo * kC + c0, kC, false);
   // Keep the causal part: A0 strictly lower, M lower.

@@ -4,9 +4,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include "cpu/kernels/recurrent_kernels.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -108,6 +110,25 @@ struct BlockRows {
   explicit BlockRows(int64_t n) : rs(n), loc(n + 1), shift(n) {}
   std::vector<int64_t> rs, loc, shift;
 };
+// Runs f(n, b, e) over the used rows of a block in parallel, for every run of rows [b, e) of one
+// sequence n; a few rows per task, so that every thread gets some of a short block.
+template <typename F>
+void parallel_block_rows(const BlockRows& rows, const F& f) {
+  const int64_t N = static_cast<int64_t>(rows.rs.size());
+  const int64_t used = rows.loc[N];
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, used / (4 * threads)));
+  at::parallel_for(0, used, grain, [&](int64_t b, int64_t e) {
+    int64_t n = static_cast<int64_t>(std::upper_bound(rows.loc.begin(), rows.loc.begin() + N, b) -
+                                     rows.loc.begin()) - 1;
+    while (b < e) {
+      while (rows.loc[n + 1] <= b) ++n;
+      const int64_t stop = std::min(e, rows.loc[n + 1]);
+      f(n, b, stop);
+      b = stop;
+    }
+  });
+}
 // Pre-processes the rows of a token block (kernels' prep_tokens, in parallel over rows) into P's
 // outputs at the rows' local index; the inputs are read at the local index too with
 // shifted_inputs (block buffers), else at the global token.

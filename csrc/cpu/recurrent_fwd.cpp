@@ -125,23 +125,11 @@ void prep_block(const kernels::PrepArgs<T>& P, const BlockRows& rows, bool shift
       return tab.prep_f64;
     }
   }();
-  const int64_t N = static_cast<int64_t>(rows.rs.size());
-  const int64_t used = rows.loc[N];
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  // A few rows per task, so that every thread gets some of a short block.
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, used / (4 * threads)));
-  at::parallel_for(0, used, grain, [&](int64_t b, int64_t e) {
-    int64_t n = static_cast<int64_t>(std::upper_bound(rows.loc.begin(), rows.loc.begin() + N, b) -
-                                     rows.loc.begin()) - 1;
-    while (b < e) {
-      while (rows.loc[n + 1] <= b) ++n;
-      const int64_t stop = std::min(e, rows.loc[n + 1]);
-      kernels::PrepArgs<T> Pn = P;
-      Pn.out_shift = rows.shift[n];
-      Pn.in_shift = shifted_inputs ? rows.shift[n] : 0;
-      bad.add(prep(Pn, rows.rs[n] + (b - rows.loc[n]), rows.rs[n] + (stop - rows.loc[n])));
-      b = stop;
-    }
+  parallel_block_rows(rows, [&](int64_t n, int64_t b, int64_t stop) {
+    kernels::PrepArgs<T> Pn = P;
+    Pn.out_shift = rows.shift[n];
+    Pn.in_shift = shifted_inputs ? rows.shift[n] : 0;
+    bad.add(prep(Pn, rows.rs[n] + (b - rows.loc[n]), rows.rs[n] + (stop - rows.loc[n])));
   });
 }
 template void prep_block<float>(const kernels::PrepArgs<float>&, const BlockRows&, bool,

@@ -69,8 +69,8 @@ void check_device(const char* op, const at::Tensor& t, const char* name, const a
 
 void check_shape(const char* op, const at::Tensor& t, const char* name, at::IntArrayRef expected,
                  const char* what) {
-  TORCH_CHECK_VALUE(t.sizes() == expected, op, name, " must have shape ", expected, " ", what,
-              ", got ", t.sizes());
+  TORCH_CHECK_VALUE(t.sizes() == expected, op, name, " must have shape ", shape_str(expected), " ", what,
+              ", got ", shape_str(t.sizes()));
 }
 
 }  // namespace
@@ -81,7 +81,7 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
   TORCH_CHECK_TYPE(q.defined() && in.k.defined() && in.v.defined() && in.g.defined() &&
                   in.beta.defined(),
               op, "q, k, v, g and beta must be defined tensors");
-  TORCH_CHECK_VALUE(q.dim() == 4, op, "q must be 4-D [B, T, H, K], got shape ", q.sizes());
+  TORCH_CHECK_VALUE(q.dim() == 4, op, "q must be 4-D [B, T, H, K], got shape ", shape_str(q.sizes()));
   TORCH_CHECK_TYPE(q.scalar_type() == at::kDouble || q.scalar_type() == at::kFloat ||
                   q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               op, "q must be float64, float32, bfloat16 or float16, got dtype ", q.scalar_type());
@@ -100,10 +100,10 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
   TORCH_CHECK_VALUE(d.H > 0, op, "q must have at least one head (H = q.size(2) > 0), got H = ", d.H);
   TORCH_CHECK_VALUE(d.K > 0, op, "the key dimension K = q.size(3) must be > 0, got ", d.K);
   check_shape(op, in.k, "k", q.sizes(), "(the shape of q, [B, T, H, K])");
-  TORCH_CHECK_VALUE(in.v.dim() == 4, op, "v must be 4-D [B, T, HV, V], got shape ", in.v.sizes());
+  TORCH_CHECK_VALUE(in.v.dim() == 4, op, "v must be 4-D [B, T, HV, V], got shape ", shape_str(in.v.sizes()));
   TORCH_CHECK_VALUE(in.v.size(0) == d.B && in.v.size(1) == d.T, op,
               "v must have shape [B, T, HV, V] with B = ", d.B, " and T = ", d.T,
-              " (from q), got ", in.v.sizes());
+              " (from q), got ", shape_str(in.v.sizes()));
   d.HV = in.v.size(2);
   d.V = in.v.size(3);
   TORCH_CHECK_VALUE(d.HV > 0 && d.HV % d.H == 0, op,
@@ -139,7 +139,7 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
     check_float(op, *in.A_log, "A_log");
     check_device(op, *in.A_log, "A_log", q);
     TORCH_CHECK_VALUE(in.A_log->dim() == 1 && in.A_log->size(0) == d.HV, op,
-                "A_log must have shape [HV] = [", d.HV, "], got ", in.A_log->sizes());
+                "A_log must have shape [HV] = [", d.HV, "], got ", shape_str(in.A_log->sizes()));
   }
   if (in.dt_bias) {
     check_float(op, *in.dt_bias, "dt_bias");
@@ -148,7 +148,7 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
     TORCH_CHECK_VALUE((b.dim() == 1 && b.size(0) == d.HV * d.K) ||
                     (b.dim() == 2 && b.size(0) == d.HV && b.size(1) == d.K),
                 op, "dt_bias must have shape [HV * K] = [", d.HV * d.K, "] or [HV, K] = [", d.HV,
-                ", ", d.K, "], got ", b.sizes());
+                ", ", d.K, "], got ", shape_str(b.sizes()));
   }
 
   if (in.cu_seqlens) {
@@ -156,7 +156,7 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
     TORCH_CHECK_TYPE(cu.scalar_type() == at::kLong || cu.scalar_type() == at::kInt, op,
                 "cu_seqlens must be int64 or int32, got dtype ", cu.scalar_type());
     TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, op,
-                "cu_seqlens must be 1-D [N + 1] with N >= 0, got shape ", cu.sizes());
+                "cu_seqlens must be 1-D [N + 1] with N >= 0, got shape ", shape_str(cu.sizes()));
     TORCH_CHECK_VALUE(d.B == 1, op, "with cu_seqlens the batch size must be 1, got B = ", d.B);
     d.varlen = true;
     d.N = cu.size(0) - 1;
@@ -303,8 +303,8 @@ std::optional<at::Tensor> check_bwd_call(const at::Tensor& grad_o,
   check_cpu(op, in);
   const Dims d = check_inputs(in, cfg, /*check_values=*/true);
   TORCH_CHECK_VALUE(grad_o.sizes() == at::IntArrayRef({d.B, d.T, d.HV, d.V}), op,
-              "grad_o must have shape [B, T, HV, V] = ", at::IntArrayRef({d.B, d.T, d.HV, d.V}),
-              ", got ", grad_o.sizes());
+              "grad_o must have shape [B, T, HV, V] = ", shape_str({d.B, d.T, d.HV, d.V}),
+              ", got ", shape_str(grad_o.sizes()));
   check_float(op, grad_o, "grad_o");
   check_device(op, grad_o, "grad_o", q);
   std::optional<at::Tensor> gfs = grad_final_state;
@@ -658,7 +658,7 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
     TORCH_CHECK_VALUE(p.dim() == 4 && p.size(1) == per_slot[0] && p.size(2) == per_slot[1] &&
                           p.size(3) == per_slot[2],
                       kSrv, "initial_state (the state pool) must have shape ", layout,
-                      " with [HV, ., .] = ", at::IntArrayRef(per_slot), ", got ", p.sizes());
+                      " with [HV, ., .] = ", shape_str(per_slot), ", got ", shape_str(p.sizes()));
     TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 ||
                          (p.scalar_type() == at::kDouble && ct == at::kDouble),
                      kSrv, "the state pool (initial_state) must be float32 or bfloat16 (or float64 "
@@ -670,7 +670,7 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
     TORCH_CHECK_VALUE(p.stride(3) == 1 && p.stride(2) == p.size(3) &&
                           p.stride(1) == p.size(2) * p.size(3),
                       kSrv, "inplace_final_state=True needs each slot of the pool contiguous, got "
-                      "strides ", p.strides());
+                      "strides ", shape_str(p.strides()));
     TORCH_CHECK_VALUE(!fresh, kSrv, "final_state must be None with inplace_final_state=True "
                       "(the pool receives the states)");
   }
@@ -719,7 +719,7 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
   check_device(kSrv, *idx, "ssm_state_indices", q);
   TORCH_CHECK_VALUE((idx->dim() == 1 || idx->dim() == 2) && idx->size(0) == d.N, kSrv,
                     "ssm_state_indices must have shape [N] or [N, T_max] with N = ", d.N,
-                    ", got ", idx->sizes());
+                    ", got ", shape_str(idx->sizes()));
   TORCH_CHECK_VALUE(idx->dim() == 1 || inplace_final_state, kSrv,
                     "2-D ssm_state_indices write per-token snapshots into the pool and need "
                     "inplace_final_state=True");
@@ -836,7 +836,7 @@ namespace {
 // scale's default, K ** -0.5 (q's last dimension), after the checks that reading K needs.
 double default_scale(const at::Tensor& q, const FusedRecurrentOptions& o, const char* who) {
   TORCH_CHECK_TYPE(q.defined(), who, "q must be a defined tensor");
-  TORCH_CHECK_VALUE(q.dim() == 4, who, "q must be 4-D [B, T, H, K], got shape ", q.sizes());
+  TORCH_CHECK_VALUE(q.dim() == 4, who, "q must be 4-D [B, T, H, K], got shape ", detail::shape_str(q.sizes()));
   return o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
 }
 

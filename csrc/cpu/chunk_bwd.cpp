@@ -32,7 +32,6 @@ using chunk::kC;
 using chunk::kSub;
 
 using chunk::kMinBlockDecay;
-using chunk::up;
 
 // dst[c, r] = src[r, c] for a rows x cols block (leading dimensions lds, ldd), in 8 x 8 tiles.
 template <typename T>
@@ -86,62 +85,50 @@ struct BwdWork {
   T* run2;   // [K]
   T* ybuf;   // [kSub, K]  pair terms of one column of a diagonal block
   T* dgd;    // [kSub, K]  the diagonal block's dg
-  // The gradient w.r.t. g, in double (see "G = cumsum(g)" in chunk_backward): dG w.r.t. the
-  // cumulative log decay G (summed in reverse into dg), dgx added to dg directly, acc [K].
+  // The gradient w.r.t. g, in double (see "G = cumsum(g)" in chunk_backward): dG [kC, K] w.r.t.
+  // the cumulative log decay G (summed in reverse into dg), dgx [kC, K] added to dg directly,
+  // acc [2 K].
   double *dG, *dgx, *acc;
 
-  static int64_t elems(int64_t K, int64_t V) {
+  // Takes its parts from c (carver.h).
+  BwdWork(Carver& c, int64_t K, int64_t V) {
     const int64_t ld = K + V;
-    return 5 * up(K * V) + 3 * up(kC * ld) + 2 * up(kC * V) + up(2 * kC * V) +
-           up(2 * kC * K) + 2 * up(kC * kC) + 3 * up(kC * K) + up(K * 2 * kC) + up(2 * kC * kC) +
-           up(kC * 2 * kSub) + 3 * up(2 * kSub * K) + 3 * up(kSub * K) + 3 * up(kC * K) +
-           2 * up(kC * K) + 2 * up(K) + 2 * up(2 * kC * K) + up(4 * K);
-  }
-  BwdWork(T* base, int64_t K, int64_t V) {
-    const int64_t ld = K + V;
-    T* p = base;
-    auto take = [&](int64_t n) {
-      T* r = p;
-      p += up(n);
-      return r;
-    };
-    S = take(K * V);
-    ST = take(K * V);
-    dS = take(K * V);
-    dST = take(K * V);
-    dSnew = take(K * V);
-    xu = take(kC * ld);
-    xuT = take(kC * ld);
-    dR = take(kC * ld);
-    vn = take(kC * V);
-    vnT = take(kC * V);
-    X = take(2 * kC * V);
-    Y = take(2 * kC * K);
-    mT = take(kC * kC);
-    naT = take(kC * kC);
-    kdec = take(kC * K);
-    edec = take(kC * K);
-    dkdec = take(kC * K);
-    qwT = take(K * 2 * kC);
-    dam = take(2 * kC * kC);
-    damT = take(kC * 2 * kSub);
-    lq = take(2 * kSub * K);
-    dlq = take(2 * kSub * K);
-    dlq2 = take(2 * kSub * K);
-    rf = take(kSub * K);
-    cf = take(kC * K);
-    kr = take(kC * K);
-    dkr = take(kC * K);
-    dq = take(kC * K);
-    dk = take(kC * K);
-    run = take(K);
-    run2 = take(K);
-    ybuf = take(kSub * K);
-    dgd = take(kSub * K);
-    // (2 n elements of T hold n doubles for T = float and T = double)
-    dG = reinterpret_cast<double*>(take(2 * kC * K));
-    dgx = reinterpret_cast<double*>(take(2 * kC * K));
-    acc = reinterpret_cast<double*>(take(4 * K));
+    S = c.take<T>(K * V);
+    ST = c.take<T>(K * V);
+    dS = c.take<T>(K * V);
+    dST = c.take<T>(K * V);
+    dSnew = c.take<T>(K * V);
+    xu = c.take<T>(kC * ld);
+    xuT = c.take<T>(kC * ld);
+    dR = c.take<T>(kC * ld);
+    vn = c.take<T>(kC * V);
+    vnT = c.take<T>(kC * V);
+    X = c.take<T>(2 * kC * V);
+    Y = c.take<T>(2 * kC * K);
+    mT = c.take<T>(kC * kC);
+    naT = c.take<T>(kC * kC);
+    kdec = c.take<T>(kC * K);
+    edec = c.take<T>(kC * K);
+    dkdec = c.take<T>(kC * K);
+    qwT = c.take<T>(K * 2 * kC);
+    dam = c.take<T>(2 * kC * kC);
+    damT = c.take<T>(kC * 2 * kSub);
+    lq = c.take<T>(2 * kSub * K);
+    dlq = c.take<T>(2 * kSub * K);
+    dlq2 = c.take<T>(2 * kSub * K);
+    rf = c.take<T>(kSub * K);
+    cf = c.take<T>(kC * K);
+    kr = c.take<T>(kC * K);
+    dkr = c.take<T>(kC * K);
+    dq = c.take<T>(kC * K);
+    dk = c.take<T>(kC * K);
+    run = c.take<T>(K);
+    run2 = c.take<T>(K);
+    ybuf = c.take<T>(kSub * K);
+    dgd = c.take<T>(kSub * K);
+    dG = c.take<double>(kC * K);
+    dgx = c.take<double>(kC * K);
+    acc = c.take<double>(2 * K);
   }
 };
 
@@ -602,16 +589,19 @@ void run_chunk_bwd(const BwdSetup& s, const KernelGrads& kg) {
   A.dh0 = kg.dh0.data_ptr<T>();
   // One workspace per thread (forward pieces, then the backward's), reused by all its units.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t cw_elems = up(chunk::ChunkWork<T>::elems(d.K, d.V));
-  const int64_t stride = cw_elems + BwdWork<T>::elems(d.K, d.V);
-  const at::Tensor ws = at::empty({threads * stride}, kg.dq.options());
+  Carver sizer(nullptr);  // carves no memory: only the sizes count
+  chunk::ChunkWork<T>(sizer, d.K, d.V);
+  BwdWork<T>(sizer, d.K, d.V);
+  const int64_t stride = sizer.bytes();
+  const at::Tensor ws = at::empty({threads * stride + 64}, kg.dq.options().dtype(at::kByte));
   advise_huge_pages(ws);  // ~1.6 MB per thread at K = V = 128 in float: fresh pages every call
-  T* const ws0 = ws.data_ptr<T>();
+  char* const ws0 = reinterpret_cast<char*>(
+      (reinterpret_cast<uintptr_t>(ws.data_ptr()) + 63) / 64 * 64);
   at::parallel_for(0, d.N * d.HV, 1, [&](int64_t begin, int64_t end) {
     chunk::FlushDenormals ftz;  // subnormal decay products: full forgets, slow on Intel CPUs
-    T* base = ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * stride;
-    chunk::ChunkWork<T> cw(base, d.K, d.V);
-    BwdWork<T> bw(base + cw_elems, d.K, d.V);
+    Carver c(ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * stride);
+    chunk::ChunkWork<T> cw(c, d.K, d.V);
+    BwdWork<T> bw(c, d.K, d.V);
     for (int64_t u = begin; u < end; ++u) bwd_unit<T>(A, u / d.HV, u % d.HV, cw, bw);
     chunk::gemm_release();
   });

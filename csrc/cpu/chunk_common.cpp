@@ -117,71 +117,33 @@ inline void zero_cols(at::BFloat16* a, int64_t rows, int64_t ld, int64_t from, i
 }  // namespace
 
 template <typename T>
-int64_t ChunkWork<T>::elems(int64_t K, int64_t V) {
-  return up(kC * K) * 2 + up(K * kC) * 2 + up(kC * 2 * kC) + up(kC * kC) +
-         up(kC * (K + V)) + up(kSub * (K + V)) + up(kC * kSub) + up(kC * V) + up(2 * kSub * K) + up(kC * K) +
-         up(K);
+ChunkWork<T>::ChunkWork(Carver& c, int64_t K, int64_t V) {
+  gam = c.take<T>(kC * K);
+  qg = c.take<T>(kC * K);
+  kdecT = c.take<T>(K * kC);
+  krT = c.take<T>(K * kC);
+  am = c.take<T>(kC * 2 * kC);
+  na = c.take<T>(kC * kC);
+  x = c.take<T>(kC * (K + V));
+  rhs = c.take<T>(kSub * (K + V));
+  dinv = c.take<T>(kC * kSub);
+  o = c.take<T>(kC * V);
+  lq = c.take<T>(2 * kSub * K);
+  kr = c.take<T>(kC * K);
+  w = c.take<T>(K);
 }
 
 template <typename T>
-ChunkWork<T>::ChunkWork(T* base, int64_t K, int64_t V) {
-  T* p = base;
-  auto take = [&](int64_t n) {
-    T* r = p;
-    p += up(n);
-    return r;
-  };
-  gam = take(kC * K);
-  qg = take(kC * K);
-  kdecT = take(K * kC);
-  krT = take(K * kC);
-  am = take(kC * 2 * kC);
-  na = take(kC * kC);
-  x = take(kC * (K + V));
-  rhs = take(kSub * (K + V));
-  dinv = take(kC * kSub);
-  o = take(kC * V);
-  lq = take(2 * kSub * K);
-  kr = take(kC * K);
-  w = take(K);
-}
-
-namespace {
-
-// Bytes of one part of a chunk's result store (elems of `size` bytes), whole 64-byte lines.
-inline int64_t result_part_bytes(int64_t elems, int64_t size) {
-  return (elems * size + 63) / 64 * 64;
-}
-
-}  // namespace
-
-template <typename T>
-int64_t result_bytes(int64_t K, int64_t V, bool bf16) {
-  const int64_t t = sizeof(T), h = sizeof(at::BFloat16);
-  const int64_t common = result_part_bytes(kC * K, t) + result_part_bytes(kC * 2 * kC, t) +
-                         result_part_bytes(kC * (K + V), t);
-  return common + (bf16 ? result_part_bytes(kC * K, h) + result_part_bytes(K * kC, h)
-                        : result_part_bytes(kC * K, t) + result_part_bytes(K * kC, t));
-}
-
-template <typename T>
-void bind_results(ChunkWork<T>& w, void* store, int64_t K, int64_t V, bool bf16) {
-  char* p = static_cast<char*>(store);
-  auto take = [&](int64_t elems, int64_t size) {
-    char* r = p;
-    p += result_part_bytes(elems, size);
-    return r;
-  };
-  const int64_t t = sizeof(T), h = sizeof(at::BFloat16);
-  w.gam = reinterpret_cast<T*>(take(kC * K, t));
-  w.am = reinterpret_cast<T*>(take(kC * 2 * kC, t));
-  w.x = reinterpret_cast<T*>(take(kC * (K + V), t));
+void bind_results(ChunkWork<T>& w, Carver& store, int64_t K, int64_t V, bool bf16) {
+  w.gam = store.take<T>(kC * K);
+  w.am = store.take<T>(kC * 2 * kC);
+  w.x = store.take<T>(kC * (K + V));
   if (bf16) {
-    w.prod.qg = reinterpret_cast<at::BFloat16*>(take(kC * K, h));
-    w.prod.kdecT = reinterpret_cast<at::BFloat16*>(take(K * kC, h));
+    w.prod.qg = store.take<at::BFloat16>(kC * K);
+    w.prod.kdecT = store.take<at::BFloat16>(K * kC);
   } else {
-    w.qg = reinterpret_cast<T*>(take(kC * K, t));
-    w.kdecT = reinterpret_cast<T*>(take(K * kC, t));
+    w.qg = store.take<T>(kC * K);
+    w.kdecT = store.take<T>(K * kC);
   }
 }
 
@@ -496,8 +458,7 @@ KDA_CLONES void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S) {
 
 #define KDA_CHUNK_INSTANTIATE(T)                                         \
   template struct ChunkWork<T>;                                          \
-  template int64_t result_bytes<T>(int64_t, int64_t, bool);              \
-  template void bind_results<T>(ChunkWork<T>&, void*, int64_t, int64_t, bool);  \
+  template void bind_results<T>(ChunkWork<T>&, Carver&, int64_t, int64_t, bool);  \
   template void decay_factors<T>(const ChunkIn<T>&, ChunkWork<T>&);      \
   template void intra_am<T>(const ChunkIn<T>&, ChunkWork<T>&);           \
   template void solve_wu<T>(const ChunkIn<T>&, ChunkWork<T>&);           \

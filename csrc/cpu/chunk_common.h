@@ -43,10 +43,6 @@ namespace chunk {
 constexpr int64_t kC = kernels::kChunk;
 constexpr int64_t kSub = 16;
 
-// Workspace parts start at multiples of kAlign elements (64 bytes for float).
-constexpr int64_t kAlign = 16;
-inline int64_t up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-
 // Smallest product of a diagonal block's decays for which that block's own pairs take the
 // factored form, in the forward and the backward alike (docs/math.md, "Chunkwise form"): the
 // column factors 1 / Rf_j are then at most e^60 (float) / e^600 (double), finite with room to
@@ -132,19 +128,17 @@ template <typename T>
 struct ChunkWork {
   T *gam, *qg, *kdecT, *am, *na, *x, *rhs, *dinv, *o, *lq, *kr, *krT, *w;
   ProductWork prod;
-  // Elements needed for K, V; every part starts 64-byte aligned if base is.
-  static int64_t elems(int64_t K, int64_t V);
-  ChunkWork(T* base, int64_t K, int64_t V);
+  // Takes its parts from c (carver.h).
+  ChunkWork(Carver& c, int64_t K, int64_t V);
 };
 
 // The results of chunk_intra that state_step reads (gam, qg, kdecT, am, x; with bf16 products
 // prod.qg and prod.kdecT instead of qg and kdecT), kept per chunk so that the state-independent
 // part of many chunks can run in parallel before their state steps (csrc/cpu/chunk_fwd.cpp):
-// bytes of one chunk's results, and w's result parts pointed at such a store (64-byte aligned).
+// w's result parts pointed at one chunk's store, taken from `store`; carving no memory counts
+// the bytes of one chunk's results.
 template <typename T>
-int64_t result_bytes(int64_t K, int64_t V, bool bf16);
-template <typename T>
-void bind_results(ChunkWork<T>& w, void* store, int64_t K, int64_t V, bool bf16);
+void bind_results(ChunkWork<T>& w, Carver& store, int64_t K, int64_t V, bool bf16);
 
 // Gam, q . Gam and the transposed end-decayed keys (gam, qg, kdecT).
 template <typename T>

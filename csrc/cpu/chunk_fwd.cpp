@@ -33,16 +33,20 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
       ? chunk::choose_products(in.q.scalar_type(), K, V, cfg.op)
       : chunk::Products::kNative;
   const bool bf16 = products != chunk::Products::kNative;
-  // Per thread: the ChunkWork elements, then (bf16 products) the ProductWork bytes, rounded up
-  // to whole 64-byte lines.
-  const int64_t chunk_elems = chunk::up(chunk::ChunkWork<T>::elems(K, V));
-  const int64_t prod_elems = (chunk::ProductWork::bytes(K, V) + 63) / 64 * 64 / int64_t(sizeof(T));
-  const int64_t work = chunk_elems + (bf16 ? prod_elems : 0);
+  // A thread's workspace: the ChunkWork parts, then (bf16 products) the ProductWork parts.
+  auto thread_work = [&](Carver& c) {
+    chunk::ChunkWork<T> w(c, K, V);
+    if (bf16) w.prod = chunk::ProductWork(products, c, K, V);
+    return w;
+  };
+  Carver sizer(nullptr);  // carves no memory: the parts stay null, only the sizes count
+  chunk::ChunkWork<T> sized = thread_work(sizer);
+  const int64_t work = sizer.bytes();
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const at::Tensor ws = at::empty({threads * work + 16}, ht.options());
-  // 64-byte aligned start (every part of ChunkWork then is too).
-  T* const ws0 = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(ws.data_ptr<T>()) + 63) /
-                                      64 * 64);
+  const at::Tensor ws = at::empty({threads * work + 64}, ht.options().dtype(at::kByte));
+  // 64-byte aligned start (every part then is too).
+  char* const ws0 = reinterpret_cast<char*>(
+      (reinterpret_cast<uintptr_t>(ws.data_ptr()) + 63) / 64 * 64);
   // Waves: the next `wave` chunks of every unit of a group of at most 4 units per thread. Their
   // state-independent parts (chunk_intra, ~3/4 of the work) run first, all in parallel, taken
   // one by one from a shared counter (units differ: strongly decaying heads cost up to twice as
@@ -51,7 +55,9 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   // thread; their results (~160 KB each at K = V = 128) live in `store` until the state steps.
   const int64_t group = std::min(units, 4 * threads);
   const int64_t wave = (4 * threads + group - 1) / std::max<int64_t>(1, group);
-  const int64_t item_bytes = chunk::result_bytes<T>(K, V, bf16);
+  Carver item_sizer(nullptr);
+  chunk::bind_results(sized, item_sizer, K, V, bf16);
+  const int64_t item_bytes = item_sizer.bytes();
   const at::Tensor store =
       at::empty({group * wave * item_bytes + 64}, ht.options().dtype(at::kByte));
   char* const store0 = reinterpret_cast<char*>(
@@ -62,9 +68,10 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   // A thread's workspace, with the results of item `item` of the wave.
   auto workspace = [&](int64_t item) {
     const int64_t tid = std::min<int64_t>(at::get_thread_num(), threads - 1);
-    chunk::ChunkWork<T> w(ws0 + tid * work, K, V);
-    if (bf16) w.prod = chunk::ProductWork(products, ws0 + tid * work + chunk_elems, K, V);
-    chunk::bind_results(w, store0 + item * item_bytes, K, V, bf16);
+    Carver c(ws0 + tid * work);
+    chunk::ChunkWork<T> w = thread_work(c);
+    Carver results(store0 + item * item_bytes);
+    chunk::bind_results(w, results, K, V, bf16);
     return w;
   };
 

@@ -21,9 +21,6 @@ namespace {
 // a multiple of 16), each packed as its own [Kd, width] matrix, one after the other.
 constexpr int64_t kBlockN = 64;
 
-constexpr int64_t kAlignBytes = 64;
-inline int64_t up_bytes(int64_t x) { return (x + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
-
 }  // namespace
 
 Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op) {
@@ -37,28 +34,14 @@ Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char*
   return knob == "bf16" ? Products::kBf16Emulated : Products::kNative;
 }
 
-int64_t ProductWork::bytes(int64_t K, int64_t V) {
+ProductWork::ProductWork(Products mode_, Carver& c, int64_t K, int64_t V) : mode(mode_) {
   const int64_t R = std::max(K, kC);
-  const int64_t h = sizeof(at::BFloat16);
-  return up_bytes(kC * K * h) + up_bytes(kC * kC * h) + up_bytes(R * V * h) + up_bytes(K * V * 4) +
-         up_bytes(kC * V * 4) + up_bytes(R * R * 4);
-}
-
-ProductWork::ProductWork(Products mode_, void* base, int64_t K, int64_t V) : mode(mode_) {
-  char* p = static_cast<char*>(base);
-  auto take = [&](int64_t n) {
-    char* r = p;
-    p += up_bytes(n);
-    return r;
-  };
-  const int64_t R = std::max(K, kC);
-  const int64_t h = sizeof(at::BFloat16);
-  nw = reinterpret_cast<at::BFloat16*>(take(kC * K * h));
-  m = reinterpret_cast<at::BFloat16*>(take(kC * kC * h));
-  round = reinterpret_cast<at::BFloat16*>(take(R * V * h));
-  s = take(K * V * 4);   // packed bf16 needs half of this; the emulation's fp32 all of it
-  vn = take(kC * V * 4);
-  fa = reinterpret_cast<float*>(take(R * R * 4));
+  nw = c.take<at::BFloat16>(kC * K);
+  m = c.take<at::BFloat16>(kC * kC);
+  round = c.take<at::BFloat16>(R * V);
+  s = c.take<float>(K * V);  // packed bf16 needs half of this; the emulation's fp32 all of it
+  vn = c.take<float>(kC * V);
+  fa = c.take<float>(R * R);
 }
 
 void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, const float* src,

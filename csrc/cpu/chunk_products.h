@@ -22,6 +22,8 @@
 
 #include <cstdint>
 
+#include "cpu/carver.h"
+
 namespace kda {
 namespace detail {
 namespace chunk {
@@ -36,8 +38,7 @@ enum class Products {
 // TORCH_KDA_CHUNK_PRODUCTS; an unknown value raises c10::Error naming it; `op` prefixes it).
 Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op);
 
-// Per-thread operands of the bf16 state products, in one buffer of bytes(K, V) bytes (64-byte
-// aligned parts if base is), except qg and kdecT, which are per chunk (chunk::bind_results points
+// Per-thread operands of the bf16 state products, parts of a thread's workspace (carver.h), except qg and kdecT, which are per chunk (chunk::bind_results points
 // them into the forward's store of chunk results). A operands (bf16, row-major, zero past the
 // chunk's rows/columns where a product reads them):
 //   qg    [kC, K]   (q_i . Gam_i), written by decay_factors
@@ -53,8 +54,8 @@ struct ProductWork {
   at::BFloat16 *qg = nullptr, *kdecT = nullptr, *nw = nullptr, *m = nullptr, *round = nullptr;
   void *s = nullptr, *vn = nullptr;
   float* fa = nullptr;
-  static int64_t bytes(int64_t K, int64_t V);
-  ProductWork(Products mode, void* base, int64_t K, int64_t V);
+  // Takes its parts from c.
+  ProductWork(Products mode, Carver& c, int64_t K, int64_t V);
   ProductWork() = default;
 };
 

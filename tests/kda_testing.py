@@ -162,3 +162,17 @@ def per_thread_count(fn, counts: Sequence[int] = (1, 2, 3)) -> list:
         return results
     finally:
         torch.set_num_threads(before)
+
+
+def assert_compiled_grads_match(f, ins: Sequence[torch.Tensor]) -> None:
+    """``f(*ins)`` (a scalar loss) and its gradients w.r.t. ``ins`` under
+    ``torch.compile(fullgraph=True, backend="aot_eager")`` equal the eager ones (rtol 1e-6 for the
+    loss, 1e-5 / atol 1e-6 for the gradients): the ops' Meta kernels and autograd formulas trace."""
+    eager = f(*ins)
+    eager_grads = torch.autograd.grad(eager, ins)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(*ins)
+    compiled_grads = torch.autograd.grad(loss, ins)
+    assert torch.allclose(loss, eager, rtol=1e-6)
+    for a, b in zip(compiled_grads, eager_grads):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

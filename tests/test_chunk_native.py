@@ -16,7 +16,8 @@ import itertools
 import pytest
 import torch
 
-from kda_testing import GATES, grads, make_problem, op_args, per_thread_count, rel_err
+from kda_testing import (GATES, assert_compiled_grads_match, grads, make_problem, op_args,
+                         per_thread_count, rel_err)
 from oracle import oracle_kda
 from torch_kda import reference
 
@@ -184,14 +185,7 @@ def test_opcheck_and_compile():
         o, s = torch.ops.kda.chunk(*op_args(x))
         return (o * o).sum() + s.sum()
 
-    eager = f(*ins)
-    eg = torch.autograd.grad(eager, ins)
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    loss = compiled(*ins)
-    cg = torch.autograd.grad(loss, ins)
-    assert torch.allclose(loss, eager, rtol=1e-6)
-    for a, b in zip(cg, eg):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_compiled_grads_match(f, ins)
 
 
 def test_empty_input_and_zero_length_sequences_pass_state_through():

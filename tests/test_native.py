@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import torch_kda
-from kda_testing import GATES, OP_ARGS, grads, make_problem, op_args, per_thread_count, rel_err
+from kda_testing import (GATES, OP_ARGS, assert_compiled_grads_match, grads, make_problem, op_args,
+                         per_thread_count, rel_err)
 from torch_kda import reference
 
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -123,14 +124,7 @@ def test_torch_compile_fullgraph_forward_and_backward():
         return (o * o).sum() + s.sum()
 
     ins = [*p.args, p.kwargs["initial_state"], p.kwargs["A_log"], p.kwargs["dt_bias"]]
-    eager_loss = f(*ins)
-    eager_grads = torch.autograd.grad(eager_loss, ins)
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    loss = compiled(*ins)
-    cgrads = torch.autograd.grad(loss, ins)
-    assert torch.allclose(loss, eager_loss, rtol=1e-6)
-    for a, b in zip(cgrads, eager_grads):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_compiled_grads_match(f, ins)
 
 
 def test_bitwise_identical_for_one_and_two_threads():

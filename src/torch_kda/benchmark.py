@@ -738,15 +738,33 @@ def settings(quick: bool = False, *, seq_lens: Optional[Sequence[int]] = None,
     return kw
 
 
+def header_line(command: str, info: dict, wall_s: float) -> str:
+    """The first line of a report: the command, the machine (:func:`machine_info`), the commit where
+    known, the load average at the start (from ``info``) and now, and the wall time in seconds."""
+    commit = f"commit {info['commit']}, " if info.get("commit") else ""
+    return (f"`{command.strip()}` — {info['cpu']}, {info['logical_cpus']} logical CPUs, torch {info['torch']}, "
+            f"{commit}load average {info['load_avg'][0]:.1f} at start, {os.getloadavg()[0]:.1f} at end, "
+            f"wall {wall_s:.0f} s")
+
+
+def publish(text: str, out_md: Optional[str] = None, out_json: Optional[str] = None,
+            payload: Optional[dict] = None) -> None:
+    """Print a report's markdown ``text``; write it to ``out_md`` and ``payload`` as JSON to
+    ``out_json`` where those paths are given."""
+    print(text, flush=True)
+    if out_md:
+        with open(out_md, "w") as fh:
+            fh.write(text)
+    if out_json:
+        with open(out_json, "w") as fh:
+            json.dump(payload, fh, indent=1)
+
+
 def report(results: List[dict], info: dict, command: str, wall_s: float, verdicts: bool = True) -> str:
     """Markdown: a header line (command, machine, commit where known, load average at start and end,
     wall time), :func:`format_table`, and the issue 3 targets where the target shape was measured in
     fp32 (``verdicts=False``: the measured ratios only, see :func:`format_targets`)."""
-    load_end = os.getloadavg()[0]
-    commit = f"commit {info['commit']}, " if info.get("commit") else ""
-    out = (f"`{command.strip()}` — {info['cpu']}, {info['logical_cpus']} logical CPUs, torch {info['torch']}, "
-           f"{commit}load average {info['load_avg'][0]:.1f} at start, {load_end:.1f} at end, "
-           f"wall {wall_s:.0f} s\n\n" + format_table(results))
+    out = header_line(command, info, wall_s) + "\n\n" + format_table(results)
     if _find(results, kind="time", backend="native", dtype="fp32", **_shape_dict(TARGET_SHAPE)):
         out += "\n" + format_targets(check_targets(results), verdicts=verdicts)
     return out
@@ -767,16 +785,10 @@ def bench(kw: Dict[str, Any], command: str, info: Optional[dict] = None, out_md:
     t0 = time.perf_counter()
     results = run(**kw, log=log)
     wall = time.perf_counter() - t0
-    text = report(results, info, command, wall, verdicts=verdicts)
-    print(text, flush=True)
-    if out_md:
-        with open(out_md, "w") as fh:
-            fh.write(text)
-    if out_json:
-        with open(out_json, "w") as fh:
-            args = {k: [asdict(s) if isinstance(s, Shape) else s for s in v] if k == "shapes" else v
-                    for k, v in kw.items()}
-            json.dump(dict(machine=info, args=args, wall_s=wall, results=results), fh, indent=1)
+    args = {k: [asdict(s) if isinstance(s, Shape) else s for s in v] if k == "shapes" else v
+            for k, v in kw.items()}
+    publish(report(results, info, command, wall, verdicts=verdicts), out_md, out_json,
+            dict(machine=info, args=args, wall_s=wall, results=results))
     if out_png:
         plot(results, out_png)
     return results
@@ -930,7 +942,7 @@ def format_serving(rows: List[dict]) -> str:
             r = get(name, B, th)
             return f"{r['seconds'] * 1e6:,.0f} us ({100 * r['gbps'] / copy['gbps']:.0f}%)"
         pk, pv, rec = get("plain_k", B, th), get("plain_v", B, th), get("recurrent", B, th)
-        p32k, p32v = get("pool_fp32_k", B, th), get("pool_fp32_v", B, th)
+        p32k = get("pool_fp32_k", B, th)
         p16k = get("pool_bf16_k", B, th)
         ggml = GGML_DECODE_US.get((B, th))
         lines.append(
@@ -1105,10 +1117,7 @@ def chunk_main(argv: Optional[Sequence[str]] = None) -> None:
           f"{os.environ.get('TORCH_KDA_CHUNK_PRODUCTS') or 'auto'} (docs/math.md 'Chunkwise form')")
     print(f"load average before the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
           f"after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(format_chunk(rows))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(machine=info, rows=rows), fh, indent=1)
+    publish(format_chunk(rows), out_json=args.json, payload=dict(machine=info, rows=rows))
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "serving":

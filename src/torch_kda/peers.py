@@ -48,7 +48,7 @@ import torch
 
 import torch_kda
 from torch_kda import reference
-from torch_kda.benchmark import Shape, _find, gemm_gflops, machine_info
+from torch_kda.benchmark import Shape, _find, gemm_gflops, header_line, machine_info, publish
 
 __all__ = ["PREFILL_SHAPES", "DECODE_SHAPES", "peer_inputs", "Ggml", "ExecuTorch", "run_peers",
            "format_peers", "bench_peers"]
@@ -439,14 +439,6 @@ def bench_peers(peers_dir: str, command: str, threads: Sequence[int] = (1, 2), r
     t0 = time.perf_counter()
     results = run_peers(peers_dir, shapes=shapes, threads=threads, reps=reps)
     wall = time.perf_counter() - t0
-    text = (f"`{command}` — {info['cpu']}, {info['logical_cpus']} logical CPUs, torch {info['torch']}, "
-            f"load average {info['load_avg'][0]:.1f} at start, {os.getloadavg()[0]:.1f} at end, wall {wall:.0f} s\n\n"
-            + format_peers(results))
-    print(text, flush=True)
-    if out_md:
-        with open(out_md, "w") as fh:
-            fh.write(text)
-    if out_json:
-        with open(out_json, "w") as fh:
-            json.dump(dict(machine=info, command=command, wall_s=wall, results=results), fh, indent=1)
+    publish(header_line(command, info, wall) + "\n\n" + format_peers(results), out_md, out_json,
+            dict(machine=info, command=command, wall_s=wall, results=results))
     return results

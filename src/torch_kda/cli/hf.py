@@ -23,7 +23,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 

@@ -20,11 +20,14 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "cpu/kda_cpu.h"
 #include "cpu/kernels/recurrent_kernels.h"
@@ -626,6 +629,67 @@ std::optional<at::Tensor> defined_or_none(const std::optional<at::Tensor>& t) {
   return (t && t->defined()) ? t : std::nullopt;
 }
 
+// Whether two elements of t may share memory (a stride 0, or slots that overlap). Sufficient test
+// for separate elements: sorted by stride, each stride exceeds the largest offset the smaller ones
+// reach; every view made by slicing, permuting and (non-zero) striding a fresh tensor passes it.
+bool may_self_overlap(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    if (t.size(i) > 1) dims.emplace_back(t.stride(i), t.size(i));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return true;
+    reach += (size - 1) * stride;
+  }
+  return false;
+}
+
+// Whether the byte ranges spanned by a and b intersect (empty tensors span nothing).
+bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
+  auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
+    const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return std::make_pair(first, first + static_cast<uintptr_t>((last + 1) * t.element_size()));
+  };
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
+// Memory a serving call writes in place (out, the pool with inplace_final_state, a caller's
+// final_state) must not alias itself, another output or an input: the kernels write while other
+// threads still read (out = q returned wrong values; an expanded pool wrote two sequences' states
+// into one place). The rule and the words of torch_kda._checks.check_no_aliasing.
+void check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& written,
+                       const std::vector<std::pair<std::string, at::Tensor>>& read) {
+  for (const auto& [name, t] : written) {
+    if (!may_self_overlap(t)) continue;
+    if (name == "initial_state") {
+      TORCH_CHECK_VALUE(false, kSrv, "the slots of the state pool (initial_state) overlap in memory "
+                        "(shape ", t.sizes(), ", strides ", t.strides(), "; an expanded tensor?), so "
+                        "two slot indices could name one state that inplace_final_state=True writes; "
+                        "pass a pool whose slots are separate (e.g. initial_state.contiguous())");
+    }
+    TORCH_CHECK_VALUE(false, kSrv, name, " has elements that share memory (shape ", t.sizes(),
+                      ", strides ", t.strides(), "; an expanded tensor?), and it is written in place; "
+                      "pass a tensor of separate elements (e.g. torch.empty)");
+  }
+  std::vector<std::pair<std::string, at::Tensor>> all(written);
+  all.insert(all.end(), read.begin(), read.end());
+  for (size_t i = 0; i < written.size(); ++i) {
+    for (size_t j = i + 1; j < all.size(); ++j) {
+      TORCH_CHECK_VALUE(!spans_intersect(all[i].second, all[j].second), kSrv, all[i].first,
+                        " shares memory with ", all[j].first, ": it is written in place while the "
+                        "call reads ", all[j].first, ", which would corrupt the result; pass a "
+                        "separate tensor as ", all[i].first);
+    }
+  }
+}
+
 // Every check of a serving call, and the plan it resolves to. Nothing is written before this
 // returns, so a rejected call leaves the pool (and out) untouched.
 ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
@@ -687,6 +751,22 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
     }
     TORCH_CHECK_TYPE(fresh->scalar_type() == ct && fresh->is_contiguous(), kSrv,
                      "final_state must be a contiguous ", ct, " tensor, got ", fresh->scalar_type());
+  }
+
+  {
+    std::vector<std::pair<std::string, at::Tensor>> written{{"out", out}};
+    if (inplace_final_state) written.emplace_back("initial_state", *pool);
+    if (fresh) written.emplace_back("final_state", *fresh);
+    std::vector<std::pair<std::string, at::Tensor>> read{
+        {"q", q}, {"k", k}, {"v", v}, {"g", g}, {"beta", beta}};
+    const std::pair<const char*, std::optional<at::Tensor>> optional_reads[] = {
+        {"initial_state", inplace_final_state ? std::nullopt : pool}, {"A_log", defined_or_none(A_log)},
+        {"dt_bias", defined_or_none(dt_bias)}, {"cu_seqlens", defined_or_none(cu_seqlens)},
+        {"ssm_state_indices", idx}, {"num_accepted_tokens", nat}};
+    for (const auto& [name, t] : optional_reads) {
+      if (t) read.emplace_back(name, *t);
+    }
+    check_no_aliasing(written, read);
   }
 
   ServingPlan plan;

@@ -257,6 +257,16 @@ BAD = [
                            initial_state=None, final_state=torch.zeros(3, 2, 4, 4)),
      ValueError, ["non-decreasing"]),
     ("backend", _bad(), ValueError, ["backend"]),
+    # written in place while FlashKDA reads: no aliasing (final_state may be initial_state)
+    ("out_is_q", _bad(out=lambda a: a["q"]), ValueError, ["out shares memory with q"]),
+    ("out_expanded", _bad(out=lambda a: a["out"][:, :1].expand(a["out"].shape)), ValueError,
+     ["out has elements that share memory"]),
+    ("final_state_in_out", _bad(out=lambda a: a["out"].float(), q=lambda a: a["q"].float(),
+                                k=lambda a: a["k"].float(), v=lambda a: a["v"].float(),
+                                g=lambda a: a["g"].float(), beta=lambda a: a["beta"].float(),
+                                initial_state=None,
+                                final_state=lambda a: a["out"].view(-1)[:32].view(1, 2, 4, 4)),
+     ValueError, ["out shares memory with final_state"]),
 ]
 
 

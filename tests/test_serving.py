@@ -390,3 +390,94 @@ def test_decode_final_state_non_temporal_stores_write_the_same_bits(monkeypatch,
     start = kw["initial_state"][kw["ssm_state_indices"]] if pool else kw["initial_state"]
     o_ref, s_ref = _oracle_from(p, start, v_first)
     assert rel_err(o1, o_ref) < TOL and rel_err(s1, s_ref) < TOL
+
+
+# ---- memory written in place must not alias what the call reads (or itself) -------------------
+
+def _aliased_pools(HV=4, K=16, V=24):
+    slot = HV * K * V
+    return [
+        ("expanded (stride 0)", torch.randn(1, HV, K, V).expand(6, -1, -1, -1)),
+        ("overlapping slots", torch.randn(6 * slot).as_strided((6, HV, K, V), (slot // 2, K * V, V, 1))),
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", range(2))
+def test_pool_whose_slots_share_memory_is_rejected(backend, case):
+    # Two slot indices naming one memory location: the native kernel wrote both sequences' states
+    # there and returned wrong outputs without a word (o off by 55% for an expanded pool).
+    name, pool = _aliased_pools()[case]
+    p = _decode_problem(N=2)
+    before = pool.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="slots of the state pool .*overlap"):
+        torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, initial_state=pool,
+                                      ssm_state_indices=torch.tensor([1, 3]),
+                                      inplace_final_state=True, backend=backend)
+    assert torch.equal(pool, before), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pool_with_strided_separate_slots_is_accepted(backend):
+    # every other slot of a larger buffer: strided, but no two slots overlap (the valid contrast)
+    p = _decode_problem(N=2)
+    buf = _pool(12, 4, 16, 24, False)
+    pool = buf[::2]
+    before = pool.clone()
+    with torch.no_grad():
+        o, _ = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, initial_state=pool,
+                                             ssm_state_indices=torch.tensor([5, 2]),
+                                             inplace_final_state=True, backend=backend)
+    o_ref, s_ref = _oracle_from(p, before[[5, 2]], False)
+    assert rel_err(o, o_ref) < TOL and rel_err(pool[[5, 2]], s_ref) < TOL
+    assert torch.equal(pool[[0, 1, 3, 4]], before[[0, 1, 3, 4]]) and torch.equal(buf[1::2], _pool(12, 4, 16, 24, False)[1::2])
+
+
+@pytest.mark.parametrize("fn", ["fused_recurrent_kda", "chunk_kda"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("alias", ["q", "k", "v", "g", "expanded"])
+def test_out_sharing_memory_with_an_input_or_itself_is_rejected(fn, backend, alias):
+    # out=q (same shape when HV = H and K = V): the native recurrent kernel wrote o into q while
+    # other threads still read it, and returned o off by 66% (B1 T300 H1 K=V=64, 2 threads).
+    p = make_problem(B=1, T=5, H=2, K=8, V=8, seed=4, initial_state=False,
+                     output_final_state=False).to(torch.float32)
+    args = [t.clone() for t in p.args]
+    out = (args["qkvg".index(alias)] if alias != "expanded"
+           else torch.zeros(1, 1, 2, 8).expand(1, 5, 2, 8))
+    before = [t.clone() for t in args]
+    match = "out shares memory with" if alias != "expanded" else "out has elements that share memory"
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        getattr(torch_kda, fn)(*args, **p.kwargs, out=out, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(args, before))
+
+
+def test_out_sharing_memory_with_the_pool_is_rejected():
+    p = _decode_problem(N=2, HV=2, K=4, V=24)  # out [2, 1, 2, 24] fits inside the pool's memory
+    pool = _pool(3, 2, 4, 24, False)
+    before = pool.clone()
+    out = pool.view(-1)[:96].view(2, 1, 2, 24)
+    with torch.no_grad(), pytest.raises(ValueError, match="out shares memory with initial_state"):
+        torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, initial_state=pool, out=out,
+                                      ssm_state_indices=torch.tensor([0, 2]),
+                                      inplace_final_state=True)
+    assert torch.equal(pool, before)
+
+
+def test_cpp_serving_op_rejects_aliased_outputs_before_writing():
+    p = _decode_problem(N=2, HV=2, K=24, V=24)
+    out = torch.empty(2, 1, 2, 24)
+    pool = torch.randn(1, 2, 24, 24).expand(4, -1, -1, -1)
+    with torch.no_grad(), pytest.raises(ValueError, match="kda::fused_recurrent_serving: .*slots of the state pool"):
+        torch.ops.kda.fused_recurrent_serving(p.q, p.k, p.v, p.g, p.beta, 0.25, pool,
+                                              torch.tensor([0, 2]), None, out, None, -1, True)
+    pool = _pool(4, 2, 24, 24, False)
+    before = pool.clone()
+    q = p.q.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="kda::fused_recurrent_serving: out shares memory with q"):
+        torch.ops.kda.fused_recurrent_serving(q, p.k, p.v, p.g, p.beta, 0.25, pool,
+                                              torch.tensor([0, 2]), None, q, None, -1, True)
+    final = pool[:2]
+    with torch.no_grad(), pytest.raises(ValueError, match="final_state shares memory with initial_state"):
+        torch.ops.kda.fused_recurrent_serving(p.q, p.k, p.v, p.g, p.beta, 0.25, pool,
+                                              torch.tensor([3, 2]), None, out, final, -1, False)
+    assert torch.equal(pool, before)

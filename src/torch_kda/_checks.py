@@ -467,6 +467,15 @@ def check_serving_inputs(
         if torch.is_grad_enabled() and out.requires_grad:
             raise ValueError("out= is inference only (it is written in place), but out requires grad")
 
+    written = {"out": out} if out is not None else {}
+    if inplace_final_state:
+        written["initial_state"] = initial_state
+    if written:
+        read = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
+                "A_log": A_log, "dt_bias": dt_bias, "cu_seqlens": cu_seqlens,
+                "ssm_state_indices": ssm_state_indices, "num_accepted_tokens": num_accepted_tokens}
+        check_no_aliasing(written, read)
+
     seq_lens = _sequence_lengths(x)
     nat = None
     if num_accepted_tokens is not None:
@@ -560,6 +569,74 @@ def check_serving_inputs(
     return x, ServingArgs(ssm_state_indices, num_accepted_tokens, inplace_final_state, out,
                           pad_slot_id, return_intermediate_states, headwise, read_slots, is_pad,
                           snapshot_slots, final_slots, seq_lens)
+
+
+def _byte_span(t: torch.Tensor):
+    """``(first, end)`` byte addresses that ``t``'s elements can occupy; None when empty."""
+    if t.numel() == 0:
+        return None
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    first = t.data_ptr()
+    return first, first + (last + 1) * t.element_size()
+
+
+def _may_self_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (a stride 0, or slots that overlap).
+
+    Sufficient test for separate elements: sorted by stride, each stride exceeds the largest
+    offset that the smaller ones reach. Every view made by slicing, permuting and (non-zero)
+    striding a fresh tensor passes it."""
+    reach = 0
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+@_outside_graph  # reads data pointers: eagerly, outside the graph, under torch.compile
+def check_no_aliasing(written: dict, read: dict) -> None:
+    """Reject a call whose in-place outputs alias themselves, each other or an input.
+
+    ``written`` maps argument names to the tensors a call writes in place (``out``, the state pool
+    with ``inplace_final_state``, a caller's ``final_state``); ``read`` to every tensor it reads
+    (None entries are skipped; a name present in both is checked as written only). The native
+    kernels write while other threads still read: an ``out`` that is ``q`` or an expanded pool
+    returned wrong values without a word (docs/bad_inputs.md). Overlap is judged by the byte
+    ranges the tensors span, so interleaved views of one buffer (``x[..., ::2]``, ``x[..., 1::2]``)
+    count as overlapping too.
+
+    Raises:
+        ValueError: naming the tensors (and the strides of a self-overlapping one).
+    """
+    items = [(name, t) for name, t in written.items() if t is not None]
+    for name, t in items:
+        if t.device.type == "meta" or not _may_self_overlap(t):
+            continue
+        if name == "initial_state":
+            raise ValueError(
+                f"the slots of the state pool (initial_state) overlap in memory (shape "
+                f"{tuple(t.shape)}, strides {tuple(t.stride())}; an expanded tensor?), so two slot "
+                "indices could name one state that inplace_final_state=True writes; pass a pool "
+                "whose slots are separate (e.g. initial_state.contiguous())")
+        raise ValueError(f"{name} has elements that share memory (shape {tuple(t.shape)}, strides "
+                         f"{tuple(t.stride())}; an expanded tensor?), and it is written in place; "
+                         "pass a tensor of separate elements (e.g. torch.empty)")
+    others = items + [(name, t) for name, t in read.items()
+                      if t is not None and name not in written]
+    for i, (name, t) in enumerate(items):
+        span = _byte_span(t) if t.device.type != "meta" else None
+        if span is None:
+            continue
+        for other_name, other in others[i + 1:]:
+            if other.device != t.device or other.device.type == "meta":
+                continue
+            o_span = _byte_span(other)
+            if o_span is not None and o_span[0] < span[1] and span[0] < o_span[1]:
+                raise ValueError(
+                    f"{name} shares memory with {other_name}: it is written in place while the "
+                    f"call reads {other_name}, which would corrupt the result; pass a separate "
+                    f"tensor as {name}")
 
 
 def _index(flat: int, shape) -> str:

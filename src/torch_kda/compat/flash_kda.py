@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_cu_seqlens, check_scale
+from .._checks import check_cu_seqlens, check_no_aliasing, check_scale
 
 __all__ = ["fwd", "flash_kda_unavailable_reason", "BACKENDS"]
 
@@ -140,6 +140,16 @@ def _check(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_st
     if initial_state is not None and final_state is not None and initial_state.dtype != final_state.dtype:
         raise TypeError(f"initial_state and final_state must have one dtype (as in FlashKDA), got "
                         f"{initial_state.dtype} and {final_state.dtype}")
+    # out and final_state are written in place (by FlashKDA's kernel while it reads the inputs):
+    # they must not alias an input, each other or themselves. final_state may be initial_state
+    # itself (the state updated in place, a documented use).
+    same_state = (initial_state is not None and final_state is not None
+                  and initial_state.data_ptr() == final_state.data_ptr()
+                  and initial_state.stride() == final_state.stride())
+    check_no_aliasing({"out": out, "final_state": final_state},
+                      {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log,
+                       "dt_bias": dt_bias, "cu_seqlens": cu_seqlens,
+                       "initial_state": None if same_state else initial_state})
     return _Call(B, T, H, D, N, float(scale), lower_bound, cu_seqlens)
 
 
@@ -252,7 +262,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         TypeError: a non-tensor, mixed input dtypes, non-fp32/fp64 ``A_log``/``dt_bias``, states of
             two dtypes, non-integer ``cu_seqlens``, a non-numeric ``scale``/``lower_bound``.
         ValueError: shapes that disagree with q, a NaN/infinite ``scale``, ``lower_bound`` outside
-            ``[-5, 0]``, bad
+            ``[-5, 0]``, ``out`` / ``final_state`` sharing memory with an input, with each other
+            or within themselves (an expanded tensor; ``final_state`` may be ``initial_state``), bad
             ``cu_seqlens`` (B != 1, not starting at 0, decreasing, not ending at T), tensors on
             another device than q, an unknown ``backend``.
         RuntimeError: ``backend="flash_kda"`` where FlashKDA cannot run (the message says why), or

@@ -668,15 +668,17 @@ void check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& wr
                        const std::vector<std::pair<std::string, at::Tensor>>& read) {
   for (const auto& [name, t] : written) {
     if (!may_self_overlap(t)) continue;
+    const std::string layout =
+        "(shape " + shape_str(t.sizes()) + ", strides " + shape_str(t.strides()) + "; an expanded tensor?)";
     if (name == "initial_state") {
-      TORCH_CHECK_VALUE(false, kSrv, "the slots of the state pool (initial_state) overlap in memory "
-                        "(shape ", t.sizes(), ", strides ", t.strides(), "; an expanded tensor?), so "
-                        "two slot indices could name one state that inplace_final_state=True writes; "
-                        "pass a pool whose slots are separate (e.g. initial_state.contiguous())");
+      TORCH_CHECK_VALUE(false, kSrv, "the slots of the state pool (initial_state) overlap in memory ",
+                        layout, ", so two slot indices could name one state that "
+                        "inplace_final_state=True writes; pass a pool whose slots are separate "
+                        "(e.g. initial_state.contiguous())");
     }
-    TORCH_CHECK_VALUE(false, kSrv, name, " has elements that share memory (shape ", t.sizes(),
-                      ", strides ", t.strides(), "; an expanded tensor?), and it is written in place; "
-                      "pass a tensor of separate elements (e.g. torch.empty)");
+    TORCH_CHECK_VALUE(false, kSrv, name, " has elements that share memory ", layout,
+                      ", and it is written in place; pass a tensor of separate elements (e.g. "
+                      "torch.empty)");
   }
   std::vector<std::pair<std::string, at::Tensor>> all(written);
   all.insert(all.end(), read.begin(), read.end());
@@ -688,6 +690,32 @@ void check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& wr
                         "separate tensor as ", all[i].first);
     }
   }
+}
+
+// Values outside the domain (docs/bad_inputs.md rows 46-47), with the words of the plain ops. Those
+// find them in their pre-processing pass; the serving kernels pre-process inside the units that
+// write the pool, so the serving op checks first, before anything is written: one reduction over
+// g and one over beta, only for the flags that take them as given (none for the layer's call).
+void check_serving_domain(const Inputs& in, const Config& cfg, const Dims& d) {
+  auto first = [](const at::Tensor& mask) -> int64_t {
+    if (!mask.any().item<bool>()) return -1;
+    return mask.reshape({-1}).nonzero().select(1, 0)[0].item<int64_t>();
+  };
+  FirstBad bad;
+  Inputs shown = in;  // what report_domain reads the bad value from
+  if (!cfg.use_gate_in_kernel) bad.g = first(in.g > 0);
+  if (!cfg.use_beta_sigmoid_in_kernel) {
+    const at::Tensor outside = (in.beta < 0).logical_or_(in.beta > 2);
+    if (in.beta.dim() == 4) {  // head-wise [B, T, HV, V]: per (token, head), then its column
+      bad.beta = first(outside.any(3));
+      if (bad.beta >= 0) {
+        shown.beta = in.beta.select(3, first(outside.reshape({-1, d.V})[bad.beta.load()]));
+      }
+    } else {
+      bad.beta = first(outside);
+    }
+  }
+  report_domain(bad, shown, cfg, d);
 }
 
 // Every check of a serving call, and the plan it resolves to. Nothing is written before this
@@ -876,6 +904,7 @@ void fused_recurrent_serving_cpu(KDA_SERVING_ARGS) {
   Config cfg;
   Dims d;
   const ServingPlan plan = check_serving(KDA_SERVING_FORWARD, in, cfg, d);
+  check_serving_domain(in, cfg, d);  // the values last, as in Python; still before any write
   const auto fresh = defined_or_none(final_state);
   const at::Tensor dst = inplace_final_state ? *in.initial_state : fresh ? *fresh : at::Tensor();
   // A caller's fresh final state is first touched by the kernels: 2 MB pages make that hundreds

@@ -481,3 +481,32 @@ def test_cpp_serving_op_rejects_aliased_outputs_before_writing():
         torch.ops.kda.fused_recurrent_serving(p.q, p.k, p.v, p.g, p.beta, 0.25, pool,
                                               torch.tensor([3, 2]), None, out, final, -1, False)
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("case", ["g", "beta", "headwise beta"])
+def test_cpp_serving_op_rejects_values_outside_the_domain_before_writing(case):
+    # The plain ops reject g > 0 and beta outside [0, 2] (docs/bad_inputs.md rows 46-47); the
+    # serving op (the C++ API's kda::fused_recurrent with serving options) computed with them
+    # and wrote the pool (Python checked them only on its own way to the op).
+    p = make_problem(B=2, T=3, H=2, K=8, V=8, gate="none", beta_sigmoid=False, seed=6,
+                     initial_state=False, output_final_state=False).to(torch.float32)
+    q, k, v, g, beta = p.args
+    if case == "g":
+        g = g.clone()
+        g[1, 2, 0, 3] = 0.7
+        match = r"kda::fused_recurrent_serving: g must be a log-decay <= 0 .* got g\[1, 2, 0, 3\] = 0.7"
+    elif case == "beta":
+        beta = beta.clone()
+        beta[0, 1, 1] = 3.0
+        match = r"kda::fused_recurrent_serving: beta must lie in \[0, 2\] .* got beta\[0, 1, 1\] = 3"
+    else:
+        beta = beta[..., None].repeat(1, 1, 1, 8)
+        beta[1, 0, 1, 5] = -0.5
+        match = r"kda::fused_recurrent_serving: beta must lie in \[0, 2\] .* = -0.5"
+    pool = _pool(4, 2, 8, 8, False)
+    before = pool.clone()
+    out = torch.empty(2, 3, 2, 8)
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        torch.ops.kda.fused_recurrent_serving(q, k, v, g, beta, 0.3, pool, torch.tensor([0, 2]),
+                                              None, out, None, -1, True)
+    assert torch.equal(pool, before)

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._checks import KDAInputs, ServingArgs, check_value_domain, warn_unstable_writes
+from ._checks import KDAInputs, ServingArgs, warn_unstable_writes
 from ._pool import gather_states, scatter_states, sequences
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -149,9 +149,9 @@ def serving(x: KDAInputs, s: ServingArgs):
     """Serving arguments through ``torch.ops.kda.fused_recurrent_serving`` (in-place pool updates,
     snapshots, pad slots, head-wise beta; forward only). Returns ``(o, final_state)``."""
     _forward_only(x)
-    # The serving op has its own pre-processing: the domain checks (g <= 0, beta in [0, 2]) run
-    # here, before anything is written to the pool (one reduction over g and beta).
-    check_value_domain(x)
+    # The op rejects g > 0 and beta outside [0, 2] itself, before it writes anything
+    # (check_serving_domain in csrc/ops.cpp); the warning about unnormalised keys is Python's.
+    warn_unstable_writes(x)
     out = s.out if s.out is not None else torch.empty(x.B, x.T, x.HV, x.V, dtype=x.q.dtype)
     final = None
     if not s.inplace_final_state and x.output_final_state:

@@ -169,4 +169,42 @@ TEST(ServingBadInput, EveryRejectedCallNamesTheArgumentAndLeavesThePool) {
   EXPECT_TRUE(at::equal(pool, before));
 }
 
+// Found by a bug hunt: the serving path computed with values the plain call rejects (g > 0,
+// beta outside [0, 2]) and wrote the pool; it wrote o into q when out was q, and two sequences'
+// states into one place for an expanded pool.
+kda::FusedRecurrentOptions in_place_at_slots_4_1(const Decode& d, const Tensor& pool) {
+  auto o = d.opts;
+  o.initial_state = pool;
+  o.inplace_final_state = true;
+  o.ssm_state_indices = at::tensor({4, 1}, at::kLong);
+  return o;
+}
+
+TEST(ServingBadInput, ValuesOutsideTheDomainAndAliasedOutputsAreRejectedBeforeWriting) {
+  Decode d = make_decode(2, 2, false, 7);
+  Tensor pool = make_pool(6, false, 8);
+  auto base = in_place_at_slots_4_1(d, pool);
+  base.use_gate_in_kernel = false;  // g taken as a log-decay: must be <= 0
+  base.A_log.reset();
+  base.dt_bias.reset();
+  Decode given = d;
+  given.g = -at::rand_like(d.g);
+  given.g.index_put_({1, 1, 2, 5}, 0.75);
+  expect_rejected(base, given, pool, "kda::fused_recurrent_serving: g must be a log-decay <= 0");
+  auto sig = in_place_at_slots_4_1(d, pool);
+  sig.use_beta_sigmoid_in_kernel = false;  // beta taken as a strength: must lie in [0, 2]
+  given = d;
+  given.beta = at::full_like(d.beta, 0.5);
+  given.beta.index_put_({0, 1, 3}, 2.5);
+  expect_rejected(sig, given, pool, "beta must lie in [0, 2]");
+
+  auto alias = in_place_at_slots_4_1(d, pool);
+  alias.out = d.v;  // o [B, T, HV, V] has v's shape
+  expect_rejected(alias, d, pool, "out shares memory with v");
+  alias.out.reset();
+  const Tensor expanded = pool.slice(0, 0, 1).expand({6, 4, 16, 24});
+  alias.initial_state = expanded;
+  expect_rejected(alias, d, expanded, "the slots of the state pool (initial_state) overlap");
+}
+
 }  // namespace

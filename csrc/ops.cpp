@@ -727,6 +727,8 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
   const auto fresh = defined_or_none(final_state);
   TORCH_CHECK(beta.defined(), kSrv, "beta must be a defined tensor");
   const bool headwise = beta.dim() == 4;
+  TORCH_CHECK_VALUE(!headwise || beta.size(3) > 0, kSrv, "head-wise beta [B, T, HV, V] needs V = "
+                    "v.shape[3] > 0 columns, got shape ", shape_str(beta.sizes()));
   // The plain checks, with the pool and a head-wise beta replaced by what they check.
   in = make_inputs(q, k, v, g, headwise ? beta.select(3, 0) : beta, idx ? std::nullopt : pool,
                    cu_seqlens, A_log, dt_bias);

@@ -510,3 +510,17 @@ def test_cpp_serving_op_rejects_values_outside_the_domain_before_writing(case):
         torch.ops.kda.fused_recurrent_serving(q, k, v, g, beta, 0.3, pool, torch.tensor([0, 2]),
                                               None, out, None, -1, True)
     assert torch.equal(pool, before)
+
+
+def test_headwise_beta_without_columns_is_a_named_error():
+    # beta [B, T, HV, 0]: the checks took its column 0 to check the rest (an IndexError, from
+    # Python and from the op alike) before they named the shape.
+    p = _decode_problem(N=2)
+    beta = torch.empty(2, 1, 4, 0)
+    match = r"head-wise beta \[B, T, HV, V\] needs V = v.shape\[3\] > 0 columns, got shape \(2, 1, 4, 0\)"
+    for backend in BACKENDS:
+        with torch.no_grad(), pytest.raises(ValueError, match=match):
+            torch_kda.fused_recurrent_kda(*p.args[:4], beta, **p.kwargs, backend=backend)
+    with torch.no_grad(), pytest.raises(ValueError, match="kda::fused_recurrent_serving: head-wise beta"):
+        torch.ops.kda.fused_recurrent_serving(p.q, p.k, p.v, p.g, beta, 0.25, None, None, None,
+                                              torch.empty(2, 1, 4, 24), None, -1, False)

@@ -390,6 +390,9 @@ def check_serving_inputs(
     _require_bool("inplace_final_state", inplace_final_state)
     _require_bool("return_intermediate_states", return_intermediate_states)
     headwise = isinstance(beta, torch.Tensor) and beta.dim() == 4
+    if headwise and beta.shape[3] == 0:  # before beta[..., 0] stands in for it below
+        raise ValueError("head-wise beta [B, T, HV, V] needs V = v.shape[3] > 0 columns, got shape "
+                         f"{tuple(beta.shape)}")
     active = (ssm_state_indices is not None or num_accepted_tokens is not None or inplace_final_state
               or out is not None or headwise or return_intermediate_states)
     if not active:

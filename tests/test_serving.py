@@ -524,3 +524,19 @@ def test_headwise_beta_without_columns_is_a_named_error():
     with torch.no_grad(), pytest.raises(ValueError, match="kda::fused_recurrent_serving: head-wise beta"):
         torch.ops.kda.fused_recurrent_serving(p.q, p.k, p.v, p.g, beta, 0.25, None, None, None,
                                               torch.empty(2, 1, 4, 24), None, -1, False)
+
+
+@pytest.mark.parametrize("fn", ["fused_recurrent_kda", "chunk_kda"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["q", "beta", "A_log"])
+def test_out_with_inputs_requiring_grad_is_rejected(fn, backend, name):
+    # out= is written outside autograd: the reference returned an o without a graph, so a loss
+    # over o and the final state silently got the gradients of the final state only.
+    p = make_problem(B=1, T=4, H=2, K=8, V=8, seed=9).to(torch.float32)
+    p.tensors()[name].requires_grad_(True)
+    out = torch.empty(1, 4, 2, 8)
+    with pytest.raises(ValueError, match=f"out= is inference only .*but {name} requires grad"):
+        getattr(torch_kda, fn)(*p.args, **p.kwargs, out=out, backend=backend)
+    with torch.no_grad():  # the same call without autograd is fine
+        o, _ = getattr(torch_kda, fn)(*p.args, **p.kwargs, out=out, backend=backend)
+    assert o is out and rel_err(out, _oracle_from(p, p.kwargs["initial_state"], False)[0]) < TOL

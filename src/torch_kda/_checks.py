@@ -351,6 +351,18 @@ def _require_bool(name: str, x) -> bool:
     return x
 
 
+def _inference_only(what: str, why: str, tensors, alternative: str = "") -> None:
+    """Refuse ``what`` under grad mode when one of ``tensors`` (``(name, tensor or None)``)
+    requires grad: its result would carry no graph. Raises ValueError naming the tensor."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors:
+        if _requires_grad(t):
+            raise ValueError(f"{what} is inference only ({why}), but {name} requires grad; call "
+                             f"it under torch.no_grad() / torch.inference_mode()"
+                             f"{', ' + alternative if alternative else ''}")
+
+
 def _sequence_lengths(x: KDAInputs) -> List[int]:
     if x.cu_seqlens is None:
         return [x.T] * x.B
@@ -445,21 +457,15 @@ def check_serving_inputs(
             raise ValueError("inplace_final_state=True needs each slot of the pool contiguous "
                              f"(strides (*, {', '.join(map(str, expected_inner))})), got strides "
                              f"{tuple(initial_state.stride())}")
-        if torch.is_grad_enabled():
-            for name, t in (("initial_state", initial_state), ("q", q), ("k", k), ("v", v),
-                            ("g", g), ("beta", beta), ("A_log", A_log), ("dt_bias", dt_bias)):
-                if _requires_grad(t):
-                    raise ValueError(
-                        "inplace_final_state=True is inference only (serving updates the pool in "
-                        f"place, which autograd cannot differentiate), but {name} requires grad; "
-                        "call it under torch.no_grad() / torch.inference_mode(), or use "
-                        "inplace_final_state=False")
-    if return_intermediate_states and torch.is_grad_enabled():
-        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
-                        ("initial_state", initial_state), ("A_log", A_log), ("dt_bias", dt_bias)):
-            if _requires_grad(t):
-                raise ValueError("return_intermediate_states=True is inference only (prefix "
-                                 f"caching), but {name} requires grad; call it under torch.no_grad()")
+    # Arguments whose results autograd cannot follow: with any input requiring grad they would
+    # return values without a graph (gradients silently missing), so they are refused.
+    inputs = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+              ("initial_state", initial_state), ("A_log", A_log), ("dt_bias", dt_bias))
+    if inplace_final_state:
+        _inference_only("inplace_final_state=True", "serving updates the pool in place, which "
+                        "autograd cannot differentiate", inputs, "or use inplace_final_state=False")
+    if return_intermediate_states:
+        _inference_only("return_intermediate_states=True", "prefix caching", inputs)
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
@@ -467,8 +473,8 @@ def check_serving_inputs(
         if out.dtype != x.q.dtype:
             raise TypeError(f"out must have the dtype of q ({x.q.dtype}), got {out.dtype}")
         _require_device("out", out, x.q.device)
-        if torch.is_grad_enabled() and out.requires_grad:
-            raise ValueError("out= is inference only (it is written in place), but out requires grad")
+        _inference_only("out=", "it is written in place, outside autograd, as PyTorch's out= "
+                        "arguments", (("out", out),) + inputs, "or leave out=None")
 
     written = {"out": out} if out is not None else {}
     if inplace_final_state:

@@ -265,6 +265,7 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent_cpu(KDA_OP_ARGS) {
     const char* forced = std::getenv("TORCH_KDA_DECODE_KERNEL");
     const bool general = forced != nullptr && std::string(forced) == "recurrent";
     if (!general && is_decode_call(in, d)) {
+      check_domain(in, cfg, d);  // the serving kernels pre-process inside their units
       // o and the fresh final state reuse freed blocks of earlier calls (csrc/cpu/output_cache.h):
       // a decode loop's final state (128 MB at B64 H32) is then not faulted in anew every call.
       const auto ct = compute_dtype(q);
@@ -692,32 +693,6 @@ void check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& wr
   }
 }
 
-// Values outside the domain (docs/bad_inputs.md rows 46-47), with the words of the plain ops. Those
-// find them in their pre-processing pass; the serving kernels pre-process inside the units that
-// write the pool, so the serving op checks first, before anything is written: one reduction over
-// g and one over beta, only for the flags that take them as given (none for the layer's call).
-void check_serving_domain(const Inputs& in, const Config& cfg, const Dims& d) {
-  auto first = [](const at::Tensor& mask) -> int64_t {
-    if (!mask.any().item<bool>()) return -1;
-    return mask.reshape({-1}).nonzero().select(1, 0)[0].item<int64_t>();
-  };
-  FirstBad bad;
-  Inputs shown = in;  // what report_domain reads the bad value from
-  if (!cfg.use_gate_in_kernel) bad.g = first(in.g > 0);
-  if (!cfg.use_beta_sigmoid_in_kernel) {
-    const at::Tensor outside = (in.beta < 0).logical_or_(in.beta > 2);
-    if (in.beta.dim() == 4) {  // head-wise [B, T, HV, V]: per (token, head), then its column
-      bad.beta = first(outside.any(3));
-      if (bad.beta >= 0) {
-        shown.beta = in.beta.select(3, first(outside.reshape({-1, d.V})[bad.beta.load()]));
-      }
-    } else {
-      bad.beta = first(outside);
-    }
-  }
-  report_domain(bad, shown, cfg, d);
-}
-
 // Every check of a serving call, and the plan it resolves to. Nothing is written before this
 // returns, so a rejected call leaves the pool (and out) untouched.
 ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
@@ -906,7 +881,7 @@ void fused_recurrent_serving_cpu(KDA_SERVING_ARGS) {
   Config cfg;
   Dims d;
   const ServingPlan plan = check_serving(KDA_SERVING_FORWARD, in, cfg, d);
-  check_serving_domain(in, cfg, d);  // the values last, as in Python; still before any write
+  check_domain(in, cfg, d);  // the values last, as in Python; still before any write
   const auto fresh = defined_or_none(final_state);
   const at::Tensor dst = inplace_final_state ? *in.initial_state : fresh ? *fresh : at::Tensor();
   // A caller's fresh final state is first touched by the kernels: 2 MB pages make that hundreds

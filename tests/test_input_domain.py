@@ -306,3 +306,58 @@ def test_native_unstable_write_rejects_inconsistent_shapes():
         op(k[0], torch.rand(2, 3, 2), False, 1.0)
     with pytest.raises(TypeError, match=r"kda::_unstable_write: k and beta must be floating"):
         op(k.long(), torch.rand(2, 3, 2), False, 1.0)
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("call", ["api", "op"])
+def test_decode_calls_check_the_domain_too(call, state_v_first):
+    # One token per sequence (a decode step) runs the op's serving kernels, which pre-process
+    # inside their units; the op scans g and beta first (csrc/cpu/serving.cpp, check_domain).
+    # Before that scan a decode call with g > 0 or beta = 3 returned numbers without a word.
+    p = make_problem(B=3, T=1, H=2, HV=4, K=8, V=8, gate="none", beta_sigmoid=False, l2norm=False,
+                     seed=37, state_v_first=state_v_first, dtype=torch.float32)
+    if call == "api":
+        run = lambda **ch: _call(torch_kda.fused_recurrent_kda, p, "native", **ch)  # noqa: E731
+    else:
+        def run(**ch):
+            a = dict(zip(("q", "k", "v", "g", "beta"), p.args), **p.kwargs)
+            a.update(ch)
+            return torch.ops.kda.fused_recurrent(
+                a["q"], a["k"], a["v"], a["g"], a["beta"], 8 ** -0.5, a["initial_state"], False,
+                False, False, False, None, state_v_first, None, None, None)
+    g = p.g.clone()
+    g[2, 0, 1, 3] = 0.5
+    g[2, 0, 3, 0] = 0.7  # a later offender: the first one is named
+    with pytest.raises(ValueError, match=r"kda::fused_recurrent: g must be a log-decay <= 0 .*"
+                                         r"g\[2, 0, 1, 3\] = 0\.5"):
+        run(g=g)
+    beta = p.beta.clone()
+    beta[1, 0, 2] = 3.0
+    with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\] .*beta\[1, 0, 2\] = 3"):
+        run(beta=beta)
+    beta[1, 0, 2] = -0.25
+    with pytest.raises(ValueError, match=r"beta\[1, 0, 2\] = -0\.25"):
+        run(beta=beta)
+    # the ends of the ranges, g = 0 and beta = 0 or 2, are valid; NaN is not rejected (by policy)
+    g[2, 0, 1, 3], g[2, 0, 3, 0] = 0.0, float("nan")
+    beta[1, 0, 2], beta[0, 0, 0] = 2.0, 0.0
+    o = run(g=g, beta=beta)[0]
+    assert torch.isfinite(o[:2]).all() and torch.isnan(o[2]).any()
+
+
+def test_head_wise_beta_outside_its_range_is_named_with_its_column():
+    # Serving with a head-wise beta [B, T, HV, V] (one strength per value column): the native op
+    # names the column, as the reference does, and leaves the pool unchanged.
+    p = make_problem(B=2, T=1, H=1, HV=2, K=8, V=4, gate="none", beta_sigmoid=False, seed=38,
+                     initial_state=False, output_final_state=False, dtype=torch.float32)
+    p.kwargs.pop("state_v_first")
+    pool = torch.randn(3, 2, 8, 4, generator=torch.Generator().manual_seed(39))
+    before = pool.clone()
+    beta = torch.rand(2, 1, 2, 4, generator=torch.Generator().manual_seed(40))
+    beta[1, 0, 1, 2] = 2.5
+    for backend in BACKENDS:
+        with torch.no_grad(), pytest.raises(
+                ValueError, match=r"beta must lie in \[0, 2\] .*beta\[1, 0, 1, 2\] = 2\.5"):
+            _call(torch_kda.fused_recurrent_kda, p, backend, beta=beta, initial_state=pool,
+                  ssm_state_indices=torch.tensor([2, 0]), inplace_final_state=True)
+        assert torch.equal(pool, before)

@@ -86,11 +86,15 @@ void report_domain(const FirstBad& bad, const Inputs& in, const Config& cfg,
                       "input with use_gate_in_kernel=True and A_log");
   }
   if (bb >= 0) {
-    const int64_t token = bb / d.HV, hv = bb % d.HV;
+    // bb indexes beta [B, T, HV], or the head-wise [B, T, HV, V] of the serving calls.
+    const int64_t C = in.beta.dim() == 4 ? d.V : 1;
+    const int64_t token = bb / (d.HV * C), hv = (bb / C) % d.HV;
+    const std::string column = C > 1 ? ", " + std::to_string(bb % C) : std::string();
     const double val = in.beta.reshape({-1})[bb].item<double>();
     TORCH_CHECK_VALUE(false, cfg.op, "beta must lie in [0, 2] with "
                       "use_beta_sigmoid_in_kernel=False, got beta", where_of(token, d.T, hv),
-                      "] = ", val, "; pass use_beta_sigmoid_in_kernel=True if beta holds logits");
+                      column, "] = ", val,
+                      "; pass use_beta_sigmoid_in_kernel=True if beta holds logits");
   }
 }
 

@@ -135,6 +135,51 @@ bool is_decode_call(const Inputs& in, const Dims& d) {
 }
 
 namespace {
+// The first index of p[0, n) where bad(p[i]) (NaN compares false: never bad), or -1. Blocks of
+// 64 are tested without a branch per element; the block that has one is searched.
+template <typename T, typename Bad>
+int64_t first_where(const T* p, int64_t n, Bad bad) {
+  constexpr int64_t kBlock = 64;
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t i1 = std::min(n, i0 + kBlock);
+    bool any = false;
+    for (int64_t i = i0; i < i1; ++i) any |= bad(p[i]);
+    if (!any) continue;
+    for (int64_t i = i0; i < i1; ++i) {
+      if (bad(p[i])) return i;
+    }
+  }
+  return -1;
+}
+
+template <typename T>
+void scan_domain(const at::Tensor& g, const at::Tensor& beta, FirstBad& bad) {
+  if (g.defined()) {
+    bad.g = first_where(g.data_ptr<T>(), g.numel(), [](T x) { return x > T(0); });
+  }
+  if (beta.defined()) {
+    bad.beta = first_where(beta.data_ptr<T>(), beta.numel(),
+                           [](T x) { return x < T(0) || x > T(2); });
+  }
+}
+}  // namespace
+
+void check_domain(const Inputs& in, const Config& cfg, const Dims& d) {
+  if (cfg.use_gate_in_kernel && cfg.use_beta_sigmoid_in_kernel) return;
+  const auto ct = compute_dtype(in.q);
+  // In the compute dtype, as the kernels read them (bf16 / fp16 widen exactly).
+  const at::Tensor g = cfg.use_gate_in_kernel ? at::Tensor() : compute_view(in.g, ct);
+  const at::Tensor beta = cfg.use_beta_sigmoid_in_kernel ? at::Tensor() : compute_view(in.beta, ct);
+  FirstBad bad;
+  if (ct == at::kDouble) {
+    scan_domain<double>(g, beta, bad);
+  } else {
+    scan_domain<float>(g, beta, bad);
+  }
+  report_domain(bad, in, cfg, d);
+}
+
+namespace {
 template <typename T>
 void run(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& plan,
          const at::Tensor& src, const at::Tensor& dst, const at::Tensor& o) {

@@ -38,5 +38,12 @@ ServingPlan plain_plan(const Inputs& in, const Dims& d);
 // decode fast path of serving_cpu is then used for a plain fused_recurrent call too.
 bool is_decode_call(const Inputs& in, const Dims& d);
 
+// The domain checks of the decode and serving paths (docs/bad_inputs.md rows 46-47: g <= 0
+// without the in-op gate, beta in [0, 2] without the in-op sigmoid, head-wise beta too): their
+// kernels pre-process inside the units, so nothing else finds these. One scan of g and beta,
+// called before anything is written (a rejected serving call leaves the pool unchanged); raises
+// with report_domain's words and the first offending place.
+void check_domain(const Inputs& in, const Config& cfg, const Dims& d);
+
 }  // namespace detail
 }  // namespace kda

@@ -149,8 +149,8 @@ def serving(x: KDAInputs, s: ServingArgs):
     """Serving arguments through ``torch.ops.kda.fused_recurrent_serving`` (in-place pool updates,
     snapshots, pad slots, head-wise beta; forward only). Returns ``(o, final_state)``."""
     _forward_only(x)
-    # The op rejects g > 0 and beta outside [0, 2] itself, before it writes anything
-    # (check_serving_domain in csrc/ops.cpp); the warning about unnormalised keys is Python's.
+    # The op checks g <= 0 and beta in [0, 2] before it writes anything (csrc/cpu/serving.cpp,
+    # check_domain); the warning's check runs here.
     warn_unstable_writes(x)
     out = s.out if s.out is not None else torch.empty(x.B, x.T, x.HV, x.V, dtype=x.q.dtype)
     final = None

@@ -588,6 +588,25 @@ std::tuple<at::Tensor, at::Tensor> chunk_autograd(KDA_OP_ARGS) {
   return autograd_impl(/*chunk=*/true, KDA_OP_FORWARD);
 }
 
+// kda::_fused_recurrent_checked: kda::fused_recurrent plus the place of the unstable-write
+// warning (first_unstable_write, csrc/cpu/unstable_writes.cpp; -1 for none, and not computed with
+// the in-op l2 norm, which rules it out), in one call from Python: the functional API's native
+// path makes one Python -> C++ call instead of two, several microseconds of a decode step
+// (docs/benchmarks.md "Decode: the Python layer, fourth round"). CompositeImplicitAutograd:
+// kda::fused_recurrent is called through the dispatcher, so its checks, autograd and kernels are
+// exactly that op's; the warning is raised by Python (a TORCH_WARN from torch.ops reaches stderr).
+std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_checked(KDA_OP_ARGS) {
+  using Op = std::tuple<at::Tensor, at::Tensor>(KDA_OP_ARGS);
+  static auto rec = op_handle("kda::fused_recurrent").typed<Op>();
+  auto r = rec.call(KDA_OP_FORWARD);
+  int64_t first = -1;
+  if (!use_qk_l2norm_in_kernel) {
+    at::NoGradGuard no_grad;  // reads k and beta; nothing to differentiate
+    first = first_unstable_write(k, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval ? 2.0 : 1.0);
+  }
+  return {std::get<0>(r), std::get<1>(r), first};
+}
+
 Grads bwd_autograd(const at::Tensor& grad_o,
                                      const std::optional<at::Tensor>& grad_final_state,
                                      const at::Tensor& checkpoints, KDA_OP_ARGS) {
@@ -1016,6 +1035,8 @@ const char* cpu_kernel_isa() { return kernels::table().isa; }
 
 TORCH_LIBRARY(kda, m) {
   m.def("fused_recurrent(" KDA_SCHEMA_ARGS ") -> (Tensor o, Tensor final_state)");
+  m.def("_fused_recurrent_checked(" KDA_SCHEMA_ARGS
+        ") -> (Tensor o, Tensor final_state, int first_unstable)");
   m.def("fused_recurrent_fwd(" KDA_SCHEMA_ARGS
         ") -> (Tensor o, Tensor final_state, Tensor checkpoints)");
   // Serving (docs/serving.md): writes o into `out`, final states into the pool (in place) or into
@@ -1061,6 +1082,10 @@ TORCH_LIBRARY_IMPL(kda, Meta, m) {
   m.impl("fused_recurrent_serving", &kda::detail::fused_recurrent_serving_meta);
   m.impl("chunk", &kda::detail::chunk_meta);
   m.impl("chunk_fwd", &kda::detail::chunk_fwd_meta);
+}
+
+TORCH_LIBRARY_IMPL(kda, CompositeImplicitAutograd, m) {
+  m.impl("_fused_recurrent_checked", &kda::detail::fused_recurrent_checked);
 }
 
 TORCH_LIBRARY_IMPL(kda, Autograd, m) {

@@ -361,3 +361,40 @@ def test_head_wise_beta_outside_its_range_is_named_with_its_column():
             _call(torch_kda.fused_recurrent_kda, p, backend, beta=beta, initial_state=pool,
                   ssm_state_indices=torch.tensor([2, 0]), inplace_final_state=True)
         assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_fused_recurrent_checked_is_the_op_and_the_place_of_the_warning(requires_grad):
+    # kda::_fused_recurrent_checked (the API's one call on the native path, csrc/ops.cpp) returns
+    # exactly kda::fused_recurrent's outputs (and gradients) plus kda::_unstable_write's index.
+    p = make_problem(B=2, T=5, H=2, HV=4, K=8, V=6, gate="none", beta_sigmoid=False, l2norm=False,
+                     seed=42, dtype=torch.float32)
+    q, k, v, g, beta = (t.detach().clone() for t in p.args)
+    k[1, 3, 1] *= 4.0  # ||k||^2 > 2 / beta there: value heads 2 and 3 of key head 1
+    h0 = p.kwargs["initial_state"].detach().clone()
+    leaves = (q, k, v, g, beta, h0)
+
+    def args(l2norm):
+        return (q, k, v, g, beta, 0.3, h0, l2norm, False, False, False, None, False, None, None,
+                None)
+
+    outs = {}
+    for name in ("_fused_recurrent_checked", "fused_recurrent"):
+        for t in leaves:
+            t.grad = None
+            t.requires_grad_(requires_grad)
+        r = getattr(torch.ops.kda, name)(*args(False))
+        grads = None
+        if requires_grad:
+            (r[0].square().sum() + r[1].sum()).backward()
+            grads = [t.grad.clone() for t in leaves]
+        outs[name] = (r, grads)
+    (o, s, first), grads = outs["_fused_recurrent_checked"]
+    (o_ref, s_ref), grads_ref = outs["fused_recurrent"]
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+    assert first == torch.ops.kda._unstable_write(k.detach(), beta.detach(), False, 1.0)
+    assert first == ((1 * 5 + 3) * 4 + 2)  # beta [B, T, HV] flat index of (1, 3, 2)
+    if requires_grad:
+        assert o.requires_grad and all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
+    with torch.no_grad():  # the in-op l2 norm rules the warning out: not computed
+        assert torch.ops.kda._fused_recurrent_checked(*args(True))[2] == -1

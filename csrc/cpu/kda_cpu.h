@@ -112,6 +112,13 @@ struct FirstBad {
 // cfg.op names the op in the message.
 void report_domain(const FirstBad& bad, const Inputs& in, const Config& cfg, const Dims& d);
 
+// The first flat index f of beta ([B, T, HV] or head-wise [B, T, HV, V], CPU) where
+// beta'[f] * ||k[b, t, hv // (HV / H)]||^2 > 2 (beta' = beta_mult * sigmoid(beta) with
+// beta_sigmoid), or -1: the place of the warning of docs/bad_inputs.md row 48
+// (csrc/cpu/unstable_writes.cpp, the op kda::_unstable_write).
+int64_t first_unstable_write(const at::Tensor& k, const at::Tensor& beta, bool beta_sigmoid,
+                             double beta_mult);
+
 // The pre-processing arguments that depend on cfg and d only (float and double); BT = stride,
 // the token stride of the outputs. The caller sets the pointers.
 template <typename T>

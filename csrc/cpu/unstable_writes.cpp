@@ -59,8 +59,10 @@ int64_t first_unstable(const at::Tensor& k, const at::Tensor& beta, bool beta_si
   return first.load();
 }
 
-int64_t unstable_write(const at::Tensor& k, const at::Tensor& beta, bool beta_sigmoid,
-                       double beta_mult) {
+}  // namespace
+
+int64_t first_unstable_write(const at::Tensor& k, const at::Tensor& beta, bool beta_sigmoid,
+                             double beta_mult) {
   TORCH_CHECK_VALUE(k.device().is_cpu() && beta.device().is_cpu(), kOp,
                     "k and beta must be CPU tensors, got ", k.device(), " and ", beta.device());
   TORCH_CHECK_VALUE(k.dim() == 4, kOp, "k must be 4-D [B, T, H, K], got ", shape_str(k.sizes()));
@@ -81,11 +83,10 @@ int64_t unstable_write(const at::Tensor& k, const at::Tensor& beta, bool beta_si
                                beta_sigmoid, static_cast<float>(beta_mult));
 }
 
-}  // namespace
 }  // namespace detail
 }  // namespace kda
 
 TORCH_LIBRARY_FRAGMENT(kda, m) {
   m.def("_unstable_write(Tensor k, Tensor beta, bool beta_sigmoid, float beta_mult) -> int",
-        &kda::detail::unstable_write);
+        &kda::detail::first_unstable_write);
 }

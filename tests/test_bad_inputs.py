@@ -194,3 +194,38 @@ def test_native_backward_op_rejects(which, match, op):  # row "bwd-op"
     with pytest.raises(TypeError if "floating" in match else ValueError,
                        match=rf"^kda::{op}: {match}"):
         getattr(torch.ops.kda, op)(d_o, d_s, ck, *args)
+
+
+# Several bad arguments at once: the first check in the order of _checks.check_kda_inputs raises
+# (per tensor q, k, v, g, beta: type, dtype, rank; then q/k/v dtypes; shapes; devices; then the
+# rest). The checks test the valid case at once and name the error only when that test fails,
+# so these pin the order of the named checks behind it.
+FIRST_ERROR = [
+    ("k-dtype-before-g-shape", dict(k=lambda c: c["k"].long(), g=lambda c: c["g"][..., :2]),
+     TypeError, "k must have a dtype in"),
+    ("q-rank-before-qkv-dtypes", dict(q=lambda c: c["q"][0], k=lambda c: c["k"].double()),
+     ValueError, "q must be 4-D"),
+    ("beta-rank-before-qkv-dtypes", dict(v=lambda c: c["v"].double(), beta=lambda c: c["beta"][0]),
+     ValueError, "beta must be 3-D"),
+    ("qkv-dtypes-before-shapes", dict(v=lambda c: c["v"].double(), g=lambda c: c["g"][..., :2]),
+     TypeError, "q, k and v must share a dtype"),
+    ("g-rank-before-k-shape", dict(k=lambda c: c["k"][:, :3], g=lambda c: c["g"][0]),
+     ValueError, "g must be 4-D"),
+    ("heads-before-beta-shape", dict(v=lambda c: c["v"][:, :, :3], beta=lambda c: c["beta"][..., :1]),
+     ValueError, "positive multiple of the query/key heads"),
+    ("g-shape-before-device", dict(g=lambda c: c["g"][..., :2], k=lambda c: c["k"].to("meta")),
+     ValueError, "g must have shape"),
+    ("device-before-state-shape", dict(beta=lambda c: c["beta"].to("meta"),
+                                       initial_state=lambda c: c["initial_state"][:, :1]),
+     ValueError, "beta must be on the same device as q"),
+    ("state-shape", dict(initial_state=lambda c: c["initial_state"][:, :1]),
+     ValueError, "initial_state must have shape [N, HV, K, V]"),
+]
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+@pytest.mark.parametrize("changes,exc,words", [c[1:] for c in FIRST_ERROR], ids=[c[0] for c in FIRST_ERROR])
+def test_python_api_names_the_first_error_of_several(changes, exc, words, backend):
+    for fn in (torch_kda.fused_recurrent_kda, torch_kda.chunk_kda):
+        with pytest.raises(exc, match=re.escape(words)):
+            fn(**_call(**changes), backend=backend)

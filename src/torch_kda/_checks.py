@@ -8,7 +8,6 @@ expected and the actual value (docs/bad_inputs.md), and return a normalised bund
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import numbers
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+from torch import Tensor
+
 
 def _outside_graph(fn):
     """Run ``fn`` eagerly, outside the graph, when ``torch.compile`` traces a call to it.
@@ -36,9 +37,14 @@ _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int64, torch.int32)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class KDAInputs:
-    """Checked KDA arguments plus the sizes derived from them (B, T, H, K, HV, V, N)."""
+    """Checked KDA arguments plus the sizes derived from them (B, T, H, K, HV, V, N).
+
+    Treat it as immutable (derive changed copies with ``dataclasses.replace``). Not declared
+    ``frozen``: a frozen dataclass of 27 fields costs ~4 us to build (one ``object.__setattr__``
+    per field), a slotted one ~0.5 us, and every call builds one.
+    """
 
     q: torch.Tensor
     k: torch.Tensor
@@ -84,6 +90,11 @@ class KDAInputs:
         check_cu_seqlens_values(values, self.T)
         return values
 
+
+
+def _as_int64(t: Tensor) -> Tensor:
+    """``t.long()`` without the dispatcher round trip when ``t`` already is int64 (every call)."""
+    return t if t.dtype is torch.int64 else t.long()
 
 def _require_tensor(name: str, x, ndim: Optional[int] = None, dtypes=_FLOAT_DTYPES) -> None:
     if not isinstance(x, torch.Tensor):
@@ -237,8 +248,36 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device,
             check_cu_seqlens_values(cu_seqlens.tolist(), T, name)
         elif compiled_too:
             _check_cu_seqlens_values_outside_graph(cu_seqlens, T, name)
-    return cu_seqlens.long()
+    return _as_int64(cu_seqlens)
 
+
+
+def _raise_tensor_errors(q, k, v, g, beta) -> None:
+    """The first error among q, k, v, g, beta of these: not a tensor, dtype, rank, q/k/v dtypes
+    differ. Returns when there is none (the caller then checks the shapes)."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        _require_tensor(name, x, ndim=4)
+    _require_tensor("beta", beta, ndim=3)
+    if not (k.dtype == q.dtype and v.dtype == q.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+
+
+def _raise_shape_errors(q, k, v, g, beta) -> None:
+    """The first shape error of 4-D q, k, v, g and 3-D beta (see :func:`check_kda_inputs`)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _require_shape("k", k, (B, T, H, K), "[B, T, H, K] of q")
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v must have shape [B, T, HV, V] with B, T = {B}, {T} of q, got {tuple(v.shape)}")
+    for dim_name, size, source in (("K", K, "q.shape[3]"), ("V", V, "v.shape[3]"), ("HV", HV, "v.shape[2]")):
+        if size == 0:
+            raise ValueError(f"the {dim_name} dimension ({source}) must be positive, got {dim_name}=0")
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"the value heads HV must be a positive multiple of the query/key heads H, "
+                         f"got HV={HV}, H={H} (from v.shape[2] and q.shape[2])")
+    _require_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
+    _require_shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    raise AssertionError("unreachable: every shape check passed")  # the caller's test failed
 
 
 def check_kda_inputs(
@@ -254,27 +293,29 @@ def check_kda_inputs(
         ValueError: any shape, device, ``cu_seqlens``, gate or flag inconsistency; the message names
             the argument, the expected and the actual value.
     """
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
-        _require_tensor(name, x, ndim=4)
-    _require_tensor("beta", beta, ndim=3)
-    if not (k.dtype == q.dtype and v.dtype == q.dtype):
-        raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    _require_shape("k", k, (B, T, H, K), "[B, T, H, K] of q")
-    if tuple(v.shape[:2]) != (B, T):
-        raise ValueError(f"v must have shape [B, T, HV, V] with B, T = {B}, {T} of q, got {tuple(v.shape)}")
-    for dim_name, size, source in (("K", K, "q.shape[3]"), ("V", V, "v.shape[3]"), ("HV", HV, "v.shape[2]")):
-        if size == 0:
-            raise ValueError(f"the {dim_name} dimension ({source}) must be positive, got {dim_name}=0")
-    if H == 0 or HV % H != 0:
-        raise ValueError(f"the value heads HV must be a positive multiple of the query/key heads H, "
-                         f"got HV={HV}, H={H} (from v.shape[2] and q.shape[2])")
-    _require_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
-    _require_shape("beta", beta, (B, T, HV), "[B, T, HV]")
-    device = q.device
-    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _require_device(name, x, device)
+    # The valid case is recognised by one cheap test (each tensor attribute read once); the named
+    # checks, which build the messages, run only where it fails (a decode loop calls this on
+    # every token: docs/benchmarks.md "Decode: the Python layer, fourth round").
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+            and isinstance(g, Tensor) and isinstance(beta, Tensor)
+            and q.dtype in _FLOAT_DTYPES and k.dtype is q.dtype and v.dtype is q.dtype
+            and g.dtype in _FLOAT_DTYPES and beta.dtype in _FLOAT_DTYPES):
+        _raise_tensor_errors(q, k, v, g, beta)
+    shape, v_shape = q.shape, v.shape
+    if not (len(shape) == 4 and len(v_shape) == 4):
+        _raise_tensor_errors(q, k, v, g, beta)
+    B, T, H, K = shape
+    _, _, HV, V = v_shape
+    # (k, g, beta compared with full shapes: their ranks are checked too)
+    if not (k.shape == shape and v_shape[0] == B and v_shape[1] == T and K and V and HV and H
+            and HV % H == 0 and g.shape == (B, T, HV, K) and beta.shape == (B, T, HV)):
+        _raise_tensor_errors(q, k, v, g, beta)
+        _raise_shape_errors(q, k, v, g, beta)
+    # One device for all (CPU tensors: one flag each; other devices compared as objects)
+    if not (q.is_cpu and k.is_cpu and v.is_cpu and g.is_cpu and beta.is_cpu):
+        device = q.device
+        for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+            _require_device(name, x, device)
 
     scale = check_scale(scale, K)
 
@@ -292,16 +333,18 @@ def check_kda_inputs(
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
     if cu_seqlens is not None:
-        cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, device)
+        cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, q.device)
         N = cu_seqlens.numel() - 1
     else:
         N = B
     if initial_state is not None:
-        _require_tensor("initial_state", initial_state, ndim=4)
         expected = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-        meaning = "[N, HV, V, K] (state_v_first=True)" if state_v_first else "[N, HV, K, V]"
-        _require_shape("initial_state", initial_state, expected, meaning)
-        _require_device("initial_state", initial_state, device)
+        if not (isinstance(initial_state, Tensor) and initial_state.dtype in _FLOAT_DTYPES
+                and initial_state.shape == expected and initial_state.device == q.device):
+            _require_tensor("initial_state", initial_state, ndim=4)
+            meaning = "[N, HV, V, K] (state_v_first=True)" if state_v_first else "[N, HV, K, V]"
+            _require_shape("initial_state", initial_state, expected, meaning)
+            _require_device("initial_state", initial_state, q.device)
 
     return KDAInputs(q, k, v, g, beta, float(scale), initial_state, bool(output_final_state),
                      bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
@@ -315,7 +358,7 @@ def check_kda_inputs(
 _POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # treat as immutable; not frozen for the cost of building it (see KDAInputs)
 class ServingArgs:
     """Checked serving arguments of ``fused_recurrent_kda`` / ``chunk_kda`` (docs/serving.md).
 
@@ -397,10 +440,14 @@ def check_serving_inputs(
             dtype/shape/layout mismatch, in-place calls on tensors that require grad (serving is
             inference only). Nothing is written before these checks pass.
     """
-    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
+    # (type(...) is: the one-call test of the usual values; bool is no int here)
+    if type(pad_slot_id) is not int and (isinstance(pad_slot_id, bool)
+                                         or not isinstance(pad_slot_id, int)):
         raise TypeError(f"pad_slot_id must be an int, got {type(pad_slot_id).__name__} {pad_slot_id!r}")
-    _require_bool("inplace_final_state", inplace_final_state)
-    _require_bool("return_intermediate_states", return_intermediate_states)
+    if type(inplace_final_state) is not bool:
+        _require_bool("inplace_final_state", inplace_final_state)
+    if type(return_intermediate_states) is not bool:
+        _require_bool("return_intermediate_states", return_intermediate_states)
     headwise = isinstance(beta, torch.Tensor) and beta.dim() == 4
     if headwise and beta.shape[3] == 0:  # before beta[..., 0] stands in for it below
         raise ValueError("head-wise beta [B, T, HV, V] needs V = v.shape[3] > 0 columns, got shape "
@@ -496,7 +543,7 @@ def check_serving_inputs(
         _require_shape("num_accepted_tokens", num_accepted_tokens, (N,), "[N]")
         _require_device("num_accepted_tokens", num_accepted_tokens, x.q.device)
         nat = [int(a) for a in num_accepted_tokens.tolist()]
-        num_accepted_tokens = num_accepted_tokens.long()
+        num_accepted_tokens = _as_int64(num_accepted_tokens)
 
     read_slots: List[Optional[int]] = [None] * N
     is_pad = [False] * N
@@ -570,11 +617,11 @@ def check_serving_inputs(
             if s is not None and writes.get(s, n) != n:
                 raise ValueError(f"slot {s} is read by sequence {n} and written by sequence "
                                  f"{writes[s]} in the same call; give each sequence its own slots")
-        ssm_state_indices = idx.long()
+        ssm_state_indices = _as_int64(idx)
     elif inplace_final_state:
         final_slots = list(range(N))  # initial_state [N, ...] updated in place, row n <- sequence n
 
-    x = dataclasses.replace(x, initial_state=initial_state, beta=beta)  # the pool, head-wise beta
+    x.initial_state, x.beta = initial_state, beta  # the pool, head-wise beta (x is ours, new)
     return x, ServingArgs(ssm_state_indices, num_accepted_tokens, inplace_final_state, out,
                           pad_slot_id, return_intermediate_states, headwise, read_slots, is_pad,
                           snapshot_slots, final_slots, seq_lens)
@@ -699,7 +746,7 @@ def _check_value_domain(x: KDAInputs) -> None:
                     "use_beta_sigmoid_in_kernel=True if beta holds logits")
 
 
-def warn_unstable_writes(x: KDAInputs) -> None:
+def warn_unstable_writes(x: KDAInputs, flat: Optional[int] = None) -> None:
     """Warn when a write step can amplify the state: ``beta * ||k||^2 > 2`` (every backend).
 
     The write ``S <- (I - beta k k^T) S' + ...`` scales the state along ``k`` by
@@ -707,37 +754,52 @@ def warn_unstable_writes(x: KDAInputs) -> None:
     the ``beta`` range rules out). With ``use_qk_l2norm_in_kernel`` ``||k||^2 < 1`` and
     ``beta <= 2``, so nothing is computed then; without it this costs one reduction over ``k`` and
     ``beta`` (and a host sync on CUDA), on CPU tensors one call of the native library's
-    ``kda::_unstable_write`` when it is loaded. A warning, not an error: decays can still keep such a
-    state bounded. It is raised here, in Python, for the native backend too: a ``TORCH_WARN``
-    from an op called through ``torch.ops`` goes to stderr, not to Python's ``warnings``.
+    ``kda::_unstable_write`` when it is loaded, and nothing more for the native recurrent backend,
+    whose op finds the place itself (``kda::_fused_recurrent_checked``) and passes it as ``flat``.
+    A warning, not an error: decays can still keep such a state bounded. It is raised here, in
+    Python, for the native backend too: a ``TORCH_WARN`` from an op called through ``torch.ops``
+    goes to stderr, not to Python's ``warnings``.
+
+    Args:
+        flat: the first offending flat index of ``x.beta`` when the caller has found it.
 
     Warns:
         UserWarning: naming the place, the values and ``use_qk_l2norm_in_kernel=True``.
     """
     if x.use_qk_l2norm_in_kernel:
         return
-    _warn_unstable_writes(x)
-
-
-def _native_unstable_write():
-    """``torch.ops.kda._unstable_write`` when the native library is loaded, else None."""
-    try:
-        return torch.ops.kda._unstable_write
-    except (AttributeError, RuntimeError):
-        return None
-
-
-@_outside_graph  # data-dependent: runs eagerly under torch.compile (a graph break)
-def _warn_unstable_writes(x: KDAInputs) -> None:
-    with torch.no_grad():
-        flat = None
-        op = _native_unstable_write() if x.k.device.type == "cpu" else None
+    if flat is None and x.k.is_cpu and not torch.compiler.is_compiling():
+        op = _native_unstable_write()
+        # CPU: one pass of the native library (csrc/cpu/unstable_writes.cpp) instead of about six
+        # ATen dispatches; a decode loop runs this on every call.
         if op is not None:
-            # CPU: one pass of the native library (csrc/cpu/unstable_writes.cpp) instead of the
-            # ATen ops below, about six dispatches: a decode loop runs this on every call.
             flat = op(x.k, x.beta, x.use_beta_sigmoid_in_kernel, 2.0 if x.allow_neg_eigval else 1.0)
             if flat < 0:
                 return
+    _warn_unstable_writes(x, flat)
+
+
+_UNSTABLE_WRITE = None  # the op's callable, looked up once (_native_unstable_write)
+
+
+def _native_unstable_write():
+    """``kda::_unstable_write``'s direct callable (``_native.direct``) when the native library is
+    loaded, else None. Called only outside ``torch.compile`` (:func:`warn_unstable_writes`)."""
+    global _UNSTABLE_WRITE
+    if _UNSTABLE_WRITE is None:
+        from . import _native  # here, not at the top: _native imports this module
+
+        if _native.LOAD_ERROR is not None:
+            return None
+        _UNSTABLE_WRITE = _native.direct("_unstable_write")
+    return _UNSTABLE_WRITE
+
+
+@_outside_graph  # data-dependent: runs eagerly under torch.compile (a graph break)
+def _warn_unstable_writes(x: KDAInputs, flat: Optional[int]) -> None:
+    # The ATen form of the check (CUDA tensors, no native library) when flat is None, and the
+    # values of the message.
+    with torch.no_grad():
         ct = x.compute_dtype
         k = x.k if x.k.dtype == ct else x.k.to(ct)
         beta = x.beta if x.beta.dtype == ct else x.beta.to(ct)

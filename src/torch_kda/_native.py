@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -72,6 +72,23 @@ def _load() -> Optional[str]:
 LOAD_ERROR: Optional[str] = _load()
 
 
+# name -> the C++ callable of torch.ops.kda.<name>'s one overload (direct), filled on first use
+_DIRECT: Dict[str, Callable] = {}
+
+
+def direct(name: str) -> Callable:
+    """``torch.ops.kda.<name>.default._op``: the C++ callable that ``torch.ops.kda.<name>(...)``
+    reaches after two Python frames (the overload packet's and the overload's ``__call__``, which
+    only forward to it). For the calls made on every decode step (docs/benchmarks.md "Decode: the
+    Python layer, fourth round"). Not while ``torch.compile`` traces: dynamo knows the
+    ``OpOverload``, not this. Falls back to the packet where the attribute is missing."""
+    fn = _DIRECT.get(name)
+    if fn is None:
+        packet = getattr(torch.ops.kda, name)
+        fn = _DIRECT[name] = getattr(packet.default, "_op", packet)
+    return fn
+
+
 def _call(op, x: KDAInputs):
     """``op`` (a ``kda::`` forward with the schema of ``fused_recurrent``) on checked inputs."""
     return op(
@@ -90,9 +107,19 @@ def fused_recurrent(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]
     """Run checked inputs through ``torch.ops.kda.fused_recurrent`` (CPU, fused C++ kernels).
 
     The op itself rejects ``g > 0`` and ``beta`` outside ``[0, 2]`` (in its pre-processing pass);
-    the warning about unnormalised keys is raised here (free with the l2 norm on).
+    the warning about unnormalised keys is raised here (free with the l2 norm on). Outside
+    ``torch.compile`` one Python -> C++ call does both: ``kda::_fused_recurrent_checked`` (the op
+    and the place of the warning; csrc/ops.cpp), through its direct callable (:func:`direct`).
     """
-    return _run(torch.ops.kda.fused_recurrent, x)
+    if torch.compiler.is_compiling():
+        return _run(torch.ops.kda.fused_recurrent, x)
+    o, final_state, first = direct("_fused_recurrent_checked")(
+        x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, x.use_qk_l2norm_in_kernel,
+        x.use_gate_in_kernel, x.use_beta_sigmoid_in_kernel, x.allow_neg_eigval, x.lower_bound,
+        x.state_v_first, x.cu_seqlens, x.A_log, x.dt_bias)
+    if first >= 0:
+        warn_unstable_writes(x, first)
+    return o, (final_state if x.output_final_state else None)
 
 
 def chunk(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -157,7 +184,8 @@ def serving(x: KDAInputs, s: ServingArgs):
     if not s.inplace_final_state and x.output_final_state:
         shape = (x.N, x.HV, x.V, x.K) if x.state_v_first else (x.N, x.HV, x.K, x.V)
         final = torch.empty(shape, dtype=x.compute_dtype)
-    torch.ops.kda.fused_recurrent_serving(
+    (torch.ops.kda.fused_recurrent_serving if torch.compiler.is_compiling()
+     else direct("fused_recurrent_serving"))(
         x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, s.ssm_state_indices,
         s.num_accepted_tokens, out, final, s.pad_slot_id, s.inplace_final_state,
         x.use_qk_l2norm_in_kernel, x.use_gate_in_kernel, x.use_beta_sigmoid_in_kernel,

@@ -61,16 +61,16 @@ def _resolve_backend(backend: str, x: KDAInputs) -> str:
                 raise ValueError(f"TORCH_KDA_BACKEND must be one of {BACKENDS}, got {forced!r}")
             backend = forced
     if backend == "auto":
+        if x.q.is_cpu:
+            return "native" if _native.LOAD_ERROR is None else "reference"
         if x.q.is_cuda and _fla.unavailable_reason() is None:
             return "fla"
-        if x.q.device.type == "cpu" and _native.LOAD_ERROR is None:
-            return "native"
         return "reference"
     if backend == "native":
         if _native.LOAD_ERROR is not None:
             raise RuntimeError(f"backend='native' is unavailable: {_native.LOAD_ERROR}; "
                                "use backend='reference'")
-        if x.q.device.type != "cpu":
+        if not x.q.is_cpu:
             raise ValueError(f"backend='native' runs on CPU tensors, got q on {x.q.device}; "
                              "use backend='fla' or 'reference' on this device")
     return backend

@@ -312,14 +312,15 @@ def check_kda_inputs(
         _raise_tensor_errors(q, k, v, g, beta)
         _raise_shape_errors(q, k, v, g, beta)
     # One device for all (CPU tensors: one flag each; other devices compared as objects)
-    if not (q.is_cpu and k.is_cpu and v.is_cpu and g.is_cpu and beta.is_cpu):
+    on_cpu = q.is_cpu and k.is_cpu and v.is_cpu and g.is_cpu and beta.is_cpu
+    if not on_cpu:
         device = q.device
         for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
             _require_device(name, x, device)
 
     scale = check_scale(scale, K)
-
-    lower_bound = _check_lower_bound(lower_bound, safe_gate)
+    if lower_bound is not None or safe_gate:
+        lower_bound = _check_lower_bound(lower_bound, safe_gate)
     if use_gate_in_kernel:
         _check_gate_params(g, A_log, dt_bias, lower_bound)
     elif A_log is not None or dt_bias is not None:
@@ -329,7 +330,8 @@ def check_kda_inputs(
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True "
                          "(beta = 2 * sigmoid(logits)); got use_beta_sigmoid_in_kernel=False")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+    if type(chunk_size) is not int and (isinstance(chunk_size, bool)
+                                        or not isinstance(chunk_size, int)) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
     if cu_seqlens is not None:
@@ -340,7 +342,8 @@ def check_kda_inputs(
     if initial_state is not None:
         expected = (N, HV, V, K) if state_v_first else (N, HV, K, V)
         if not (isinstance(initial_state, Tensor) and initial_state.dtype in _FLOAT_DTYPES
-                and initial_state.shape == expected and initial_state.device == q.device):
+                and initial_state.shape == expected
+                and (initial_state.is_cpu if on_cpu else initial_state.device == q.device)):
             _require_tensor("initial_state", initial_state, ndim=4)
             meaning = "[N, HV, V, K] (state_v_first=True)" if state_v_first else "[N, HV, K, V]"
             _require_shape("initial_state", initial_state, expected, meaning)

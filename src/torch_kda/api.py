@@ -51,11 +51,26 @@ def available_backends() -> Dict[str, BackendStatus]:
     }
 
 
+def _env(name: str) -> str:
+    """``os.environ.get(name, "")`` without its cost when the variable is unset (the usual case):
+    ``os.environ.get`` raises and catches a KeyError inside then, which cost ~15 us of CPU time per
+    decode call on the 2-core box (docs/benchmarks.md "Decode: the Python layer, fourth round").
+    Reads the mapping behind ``os.environ`` as ``os.environ[name]`` does (CPython's ``_data``,
+    ``encodekey``, ``decodevalue``), so a change made through ``os.environ`` is seen at once;
+    ``os.environ.get`` where those are missing."""
+    env = os.environ
+    try:
+        raw = env._data.get(env.encodekey(name))
+    except AttributeError:  # another Python implementation
+        return env.get(name, "")
+    return "" if raw is None else env.decodevalue(raw)
+
+
 def _resolve_backend(backend: str, x: KDAInputs) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        forced = os.environ.get("TORCH_KDA_BACKEND", "").strip()
+        forced = _env("TORCH_KDA_BACKEND").strip()
         if forced and forced != "auto":
             if forced not in BACKENDS:
                 raise ValueError(f"TORCH_KDA_BACKEND must be one of {BACKENDS}, got {forced!r}")

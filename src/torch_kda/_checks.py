@@ -154,11 +154,15 @@ def _check_gate_params(g: torch.Tensor, A_log, dt_bias, lower_bound) -> None:
         raise ValueError(
             "the gate computed in the op needs A_log (softplus gate) or lower_bound (bounded gate); "
             "got A_log=None and lower_bound=None")
-    if A_log is not None:
+    # (each: one test of the valid case, the named checks where it fails; see check_kda_inputs)
+    if A_log is not None and not (isinstance(A_log, Tensor) and A_log.dtype in _FLOAT_DTYPES
+                                  and A_log.shape == (HV,) and A_log.device == g.device):
         _require_tensor("A_log", A_log)
         _require_shape("A_log", A_log, (HV,), "[HV]")
         _require_device("A_log", A_log, g.device)
-    if dt_bias is not None:
+    if dt_bias is not None and not (isinstance(dt_bias, Tensor) and dt_bias.dtype in _FLOAT_DTYPES
+                                    and dt_bias.shape in ((HV * K,), (HV, K))
+                                    and dt_bias.device == g.device):
         _require_tensor("dt_bias", dt_bias)
         if tuple(dt_bias.shape) not in ((HV * K,), (HV, K)):
             raise ValueError(

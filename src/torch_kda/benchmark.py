@@ -996,6 +996,160 @@ def serving_main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# the Python layer's cost per decode call (docs/benchmarks.md "Decode: the Python layer, fourth round")
+# Run: python -m torch_kda.benchmark overhead [--threads 1 2] [--batches 1 8] [--blocks 60]
+
+def _paired_blocks(pairs: Dict[str, Tuple[Callable[[], Any], Callable[[], Any]]], blocks: int,
+                   calls: int, warmup: int = 20) -> Dict[str, dict]:
+    """name -> CPU and wall microseconds per call of (api, raw) and the median paired difference.
+
+    Each block times ``calls`` calls of the API, then as many of the raw op (the order flips every
+    block), with ``time.process_time`` (this process's CPU time, all threads: robust to other
+    processes' load) and ``time.perf_counter``; the overhead is the median over blocks of the
+    per-block difference, so a slow phase of the box hits both sides of a pair."""
+    for api, raw in pairs.values():
+        for _ in range(warmup):
+            api()
+            raw()
+
+    def block(fn):
+        c0, w0 = time.process_time(), time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.process_time() - c0) / calls * 1e6, (time.perf_counter() - w0) / calls * 1e6
+
+    samples: Dict[str, List[Tuple[float, float, float, float]]] = {name: [] for name in pairs}
+    for i in range(blocks):
+        for name, (api, raw) in pairs.items():
+            if i % 2:
+                r, a = block(raw), block(api)
+            else:
+                a, r = block(api), block(raw)
+            samples[name].append((a[0], r[0], a[1], r[1]))
+    out = {}
+    for name, rows in samples.items():
+        diff = sorted(a - r for a, r, _, _ in rows)
+        out[name] = dict(api_cpu_us=statistics.median(a for a, _, _, _ in rows),
+                         raw_cpu_us=statistics.median(r for _, r, _, _ in rows),
+                         api_wall_us=statistics.median(w for _, _, w, _ in rows),
+                         raw_wall_us=statistics.median(w for _, _, _, w in rows),
+                         overhead_cpu_us=statistics.median(diff),
+                         overhead_q1_us=diff[len(diff) // 4], overhead_q3_us=diff[(3 * len(diff)) // 4],
+                         overhead_wall_us=statistics.median(sorted(a - r for _, _, a, r in rows)))
+    return out
+
+
+def overhead_rows(batches: Sequence[int] = (1, 8), threads: Sequence[int] = (1, 2), H: int = 32,
+                  K: int = 128, blocks: int = 60, calls: int = 40) -> List[dict]:
+    """The functional API's cost beyond the raw op, per decode call, side by side in one process.
+
+    fp32, T = 1, ``H`` heads, K = V = ``K``, the peer benchmark's call (q and k L2-normalised
+    outside, a precomputed log-decay and beta, so the unstable-write check runs; an initial state
+    in, the final state out, no pool; ``python -m torch_kda bench --peers``), under
+    ``torch.no_grad()``. Pairs (API call vs the raw op on the same inputs):
+
+    - ``plain_k`` / ``plain_v``: ``fused_recurrent_kda(..., backend="native")`` (K-first /
+      V-first state) vs ``torch.ops.kda.fused_recurrent(...)``;
+    - ``auto_k``: the same with the default ``backend="auto"``;
+    - ``layer_k``: the layer's flags (gate, q/k l2 norm and beta sigmoid in the op, ``A_log`` and
+      ``dt_bias``) vs the raw op with them;
+    - ``pool_k``: the serving decode (an fp32 state pool of 2B slots updated in place through
+      ``ssm_state_indices``, ``out=``) vs ``torch.ops.kda.fused_recurrent_serving(...)``.
+
+    Returns one dict per (pair, B, threads) with the fields of :func:`_paired_blocks`.
+    """
+    rows: List[dict] = []
+    old_threads = torch.get_num_threads()
+    ops = torch.ops.kda
+    try:
+        for th in threads:
+            torch.set_num_threads(th)
+            for B in batches:
+                gen = torch.Generator().manual_seed(B)
+
+                def r(*shape, scale=1.0):
+                    return torch.randn(*shape, generator=gen) * scale
+
+                q = torch.nn.functional.normalize(r(B, 1, H, K), dim=-1)
+                k = torch.nn.functional.normalize(r(B, 1, H, K), dim=-1)
+                v, g = r(B, 1, H, K), -torch.rand(B, 1, H, K, generator=gen) * 0.1
+                beta = torch.rand(B, 1, H, generator=gen)
+                h0 = r(B, H, K, K, scale=0.1)
+                h0_v = h0.transpose(-1, -2).contiguous()
+                graw, blog = r(B, 1, H, K), r(B, 1, H)
+                A_log, dt_bias = torch.rand(H, generator=gen) * 2.7, r(H * K, scale=0.5)
+                pool = r(2 * B, H, K, K, scale=0.1)
+                idx = torch.randperm(2 * B, generator=gen)[:B]
+                out = torch.empty(B, 1, H, K)
+                scale = K ** -0.5
+                api = torch_kda.fused_recurrent_kda
+
+                def plain(vf):
+                    s = h0_v if vf else h0
+                    return (lambda: api(q, k, v, g, beta, initial_state=s, output_final_state=True,
+                                        state_v_first=vf, backend="native"),
+                            lambda: ops.fused_recurrent(q, k, v, g, beta, scale, s, False, False, False,
+                                                        False, None, vf, None, None, None))
+
+                pairs = {
+                    "plain_k": plain(False), "plain_v": plain(True),
+                    "auto_k": (lambda: api(q, k, v, g, beta, initial_state=h0, output_final_state=True),
+                               plain(False)[1]),
+                    "layer_k": (lambda: api(q, k, v, graw, blog, initial_state=h0, output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                            use_beta_sigmoid_in_kernel=True, A_log=A_log,
+                                            dt_bias=dt_bias, backend="native"),
+                                lambda: ops.fused_recurrent(q, k, v, graw, blog, scale, h0, True, True,
+                                                            True, False, None, False, None, A_log,
+                                                            dt_bias)),
+                    "pool_k": (lambda: api(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx,
+                                           inplace_final_state=True, out=out, backend="native"),
+                               lambda: ops.fused_recurrent_serving(
+                                   q, k, v, g, beta, scale, pool, idx, None, out, None, -1, True,
+                                   False, False, False, False, None, False, None, None, None)),
+                }
+                with torch.no_grad():
+                    res = _paired_blocks(pairs, blocks, calls)
+                for name, m in res.items():
+                    rows.append(dict(row=name, B=B, H=H, K=K, threads=th, **m))
+    finally:
+        torch.set_num_threads(old_threads)
+    return rows
+
+
+def format_overhead(rows: List[dict]) -> str:
+    """Markdown table of :func:`overhead_rows` (CPU microseconds per call)."""
+    lines = ["| pair | B | thr | API us (CPU) | raw op us (CPU) | overhead us (CPU), median [IQR] | overhead us (wall) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['row']} | {r['B']} | {r['threads']} | {r['api_cpu_us']:,.1f} | {r['raw_cpu_us']:,.1f} | "
+                     f"{r['overhead_cpu_us']:.1f} [{r['overhead_q1_us']:.1f}, {r['overhead_q3_us']:.1f}] | "
+                     f"{r['overhead_wall_us']:.1f} |")
+    return "\n".join(lines)
+
+
+def overhead_main(argv: Optional[Sequence[str]] = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m torch_kda.benchmark overhead",
+                                description="the functional API's cost beyond the raw op per decode call")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--blocks", type=int, default=60, help="paired blocks (default 60)")
+    p.add_argument("--calls", type=int, default=40, help="calls per block (default 40)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON")
+    args = p.parse_args(argv)
+    info = machine_info()
+    start = time.perf_counter()
+    rows = overhead_rows(args.batches, args.threads, H=args.heads, blocks=args.blocks, calls=args.calls)
+    command = " ".join(["python -m torch_kda.benchmark overhead", *(argv if argv is not None else sys.argv[2:])])
+    publish(header_line(command, info, time.perf_counter() - start) + f"; torch_kda from "
+            f"{os.path.dirname(torch_kda.__file__)}\n\n" + format_overhead(rows), out_json=args.json,
+            payload=dict(machine=info, rows=rows))
+
+
+# ---------------------------------------------------------------------------------------------
 # chunkwise vs recurrent native kernels
 # Run: python -m torch_kda.benchmark chunk [--quick] [--threads 1 2] [--heads 4] [--seq-lens ...]
 
@@ -1124,3 +1278,5 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "serving":
     serving_main(sys.argv[2:])
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "chunk":
     chunk_main(sys.argv[2:])
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "overhead":
+    overhead_main(sys.argv[2:])

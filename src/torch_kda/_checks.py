@@ -636,10 +636,13 @@ def check_serving_inputs(
 
 def _byte_span(t: torch.Tensor):
     """``(first, end)`` byte addresses that ``t``'s elements can occupy; None when empty."""
-    if t.numel() == 0:
+    nbytes = t.nbytes
+    if nbytes == 0:
         return None
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     first = t.data_ptr()
+    if t.is_contiguous():  # the usual case, in three reads (a decode loop checks ~10 per call)
+        return first, first + nbytes
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return first, first + (last + 1) * t.element_size()
 
 
@@ -674,7 +677,7 @@ def check_no_aliasing(written: dict, read: dict) -> None:
     """
     items = [(name, t) for name, t in written.items() if t is not None]
     for name, t in items:
-        if t.device.type == "meta" or not _may_self_overlap(t):
+        if t.is_meta or not _may_self_overlap(t):
             continue
         if name == "initial_state":
             raise ValueError(
@@ -687,15 +690,14 @@ def check_no_aliasing(written: dict, read: dict) -> None:
                          "pass a tensor of separate elements (e.g. torch.empty)")
     others = items + [(name, t) for name, t in read.items()
                       if t is not None and name not in written]
-    for i, (name, t) in enumerate(items):
-        span = _byte_span(t) if t.device.type != "meta" else None
+    # each tensor's device and byte span once (None: a meta or empty tensor, which nothing overlaps)
+    spans = [(name, t.device, None if t.is_meta else _byte_span(t)) for name, t in others]
+    for i in range(len(items)):
+        name, device, span = spans[i]
         if span is None:
             continue
-        for other_name, other in others[i + 1:]:
-            if other.device != t.device or other.device.type == "meta":
-                continue
-            o_span = _byte_span(other)
-            if o_span is not None and o_span[0] < span[1] and span[0] < o_span[1]:
+        for other_name, o_device, o_span in spans[i + 1:]:
+            if o_span is not None and o_device == device and o_span[0] < span[1] and span[0] < o_span[1]:
                 raise ValueError(
                     f"{name} shares memory with {other_name}: it is written in place while the "
                     f"call reads {other_name}, which would corrupt the result; pass a separate "

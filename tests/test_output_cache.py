@@ -175,3 +175,23 @@ def test_the_environment_variable_sets_the_limit(value, limit):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
     assert int(out.stdout.strip().splitlines()[-1]) == limit
+
+
+def _limit_with(value):
+    env = dict(os.environ)
+    env.pop("TORCH_KDA_OUTPUT_CACHE_MB", None)
+    if value is not None:
+        env["TORCH_KDA_OUTPUT_CACHE_MB"] = value
+    code = "import torch, torch_kda; print(torch.ops.kda._output_cache_stats()[0])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    return int(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def test_a_value_that_is_not_a_whole_number_of_megabytes_warns_and_keeps_the_default():
+    # "1e3" was read as its leading digit (a 1 MB cache) and "-5" as 0 (no cache), silently.
+    default, _ = _limit_with(None)
+    for value in ("1e3", "-5", "abc", "64MB"):
+        limit, err = _limit_with(value)
+        assert limit == default, value
+        assert f"TORCH_KDA_OUTPUT_CACHE_MB={value} is not" in err, (value, err)

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -48,11 +49,20 @@ int64_t default_limit() {
   if (pages > 0 && page > 0) limit = std::min<int64_t>(limit, int64_t(pages) * page / 16);
 #endif
   if (const char* env = std::getenv("TORCH_KDA_OUTPUT_CACHE_MB")) {
+    // A whole number of megabytes, 0 turning the cache off. Anything else ("1e3", "-5", "64MB")
+    // warns and keeps the default instead of being read as its leading digits.
+    int64_t mb = -1;
+    size_t used = 0;
     try {
-      limit = std::max<int64_t>(0, std::stoll(env)) << 20;
+      mb = std::stoll(env, &used);
     } catch (const std::exception&) {
-      TORCH_WARN("TORCH_KDA_OUTPUT_CACHE_MB=", env, " is not an integer; using the default (",
-                 limit >> 20, " MB)");
+      mb = -1;
+    }
+    if (mb >= 0 && env[used] == '\0' && mb <= (std::numeric_limits<int64_t>::max() >> 20)) {
+      limit = mb << 20;
+    } else {
+      TORCH_WARN("TORCH_KDA_OUTPUT_CACHE_MB=", env, " is not a whole number of megabytes >= 0; "
+                 "using the default (", limit >> 20, " MB)");
     }
   }
   return limit;

@@ -1,6 +1,7 @@
 """The functional API: ``chunk_kda``, ``fused_recurrent_kda``, ``kda_gate``, ``available_backends``.
 
-Arguments are checked once (``_checks.check_kda_inputs``), then one backend runs:
+Arguments are checked once (``_checks.check_serving_inputs``, which runs ``check_kda_inputs``), then
+one backend runs:
 
 - ``"native"``: the C++ CPU operators: ``torch.ops.kda.fused_recurrent`` (token by token) for
   :func:`fused_recurrent_kda`, ``torch.ops.kda.chunk`` (chunkwise, matrix products) for
@@ -21,7 +22,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from . import _fla, _native, reference
-from ._checks import KDAInputs, ServingArgs, check_cu_seqlens_cpu, check_kda_inputs, check_serving_inputs
+from ._checks import KDAInputs, check_cu_seqlens_cpu, check_serving_inputs
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "kda_gate", "available_backends", "BackendStatus",
            "BACKENDS"]

@@ -278,50 +278,37 @@ inline void store_slice(T* dst, const vec_t<T>* src, int64_t K, int64_t V, int64
 // the checkpoints of a long sequence exceed the caches) and the store buffer filled up behind
 // those misses, ~10-15% of the AVX-512 forward on the 2-core Xeon. Rows that are not whole
 // aligned vectors take the plain path. stream_fence() orders them before the call returns.
+#if (defined(__AVX512F__) && KDA_VEC_BYTES == 64) || (defined(__AVX__) && KDA_VEC_BYTES == 32)
+#define KDA_HAVE_STREAM 1
+// One aligned vector stored past the caches (register-wide vectors only).
+template <typename T>
+inline void stream_vec(T* p, const vec_t<T>& x) {
+#if KDA_VEC_BYTES == 64
+  if constexpr (std::is_same_v<T, float>) _mm512_stream_ps(p, x); else _mm512_stream_pd(p, x);
+#else
+  if constexpr (std::is_same_v<T, float>) _mm256_stream_ps(p, x); else _mm256_stream_pd(p, x);
+#endif
+}
+#endif
+
 template <typename T, int NV>
 inline void stream_slice(T* dst, const vec_t<T>* src, int64_t K, int64_t V, int64_t width) {
-#if defined(__AVX512F__) && KDA_VEC_BYTES == 64
-  constexpr bool kStream = true;
-#elif defined(__AVX__) && KDA_VEC_BYTES == 32
-  constexpr bool kStream = true;
-#else
-  constexpr bool kStream = false;
-#endif
   constexpr int64_t L = kLanes<T>;
+#if defined(KDA_HAVE_STREAM)
   const bool aligned = reinterpret_cast<uintptr_t>(dst) % KDA_VEC_BYTES == 0 &&
                        (V * static_cast<int64_t>(sizeof(T))) % KDA_VEC_BYTES == 0;
-  if (!kStream || !aligned || width != NV * L) {
-    store_slice<T, NV>(dst, src, K, V, width);
+  if (aligned && width == NV * L) {
+    for (int64_t i = 0; i < K; ++i) {
+      for (int c = 0; c < NV; ++c) stream_vec<T>(dst + i * V + c * L, src[i * NV + c]);
+    }
     return;
   }
-  for (int64_t i = 0; i < K; ++i) {
-    for (int c = 0; c < NV; ++c) {
-      T* p = dst + i * V + c * L;
-#if defined(__AVX512F__) && KDA_VEC_BYTES == 64
-      __m512 x;
-      std::memcpy(&x, &src[i * NV + c], sizeof(x));
-      if constexpr (std::is_same_v<T, float>) {
-        _mm512_stream_ps(reinterpret_cast<float*>(p), x);
-      } else {
-        _mm512_stream_pd(reinterpret_cast<double*>(p), reinterpret_cast<const __m512d&>(x));
-      }
-#elif defined(__AVX__) && KDA_VEC_BYTES == 32
-      __m256 x;
-      std::memcpy(&x, &src[i * NV + c], sizeof(x));
-      if constexpr (std::is_same_v<T, float>) {
-        _mm256_stream_ps(reinterpret_cast<float*>(p), x);
-      } else {
-        _mm256_stream_pd(reinterpret_cast<double*>(p), reinterpret_cast<const __m256d&>(x));
-      }
-#else
-      (void)p;
 #endif
-    }
-  }
+  store_slice<T, NV>(dst, src, K, V, width);
 }
 
 inline void stream_fence() {
-#if (defined(__AVX512F__) && KDA_VEC_BYTES == 64) || (defined(__AVX__) && KDA_VEC_BYTES == 32)
+#if defined(KDA_HAVE_STREAM)
   _mm_sfence();
 #endif
 }
@@ -766,17 +753,25 @@ inline void bwd_rows(vec_t<T>* Hs, int64_t K, const BwdToken<T, NV>& c,
                      vec_t<T>* Wk, vec_t<T>* Wg, vec_t<T> (&delta_n)[NV]) {
   using V = vec_t<T>;
   V dacc[kRows][NV] = {};
+  // beta folded into delta once per token, not into k_i and a_i per row: a per-row
+  // splat(beta * x_i) was a scalar multiply and a register broadcast (a shuffle-port uop under
+  // AVX-512, the port the row reductions need); splat(x_i) is a load.
+  const V bs = splat<T>(c.bs);
+  V bdelta[NV] = {};
+  if constexpr (Pass2) {
+    for (int cc = 0; cc < NV; ++cc) bdelta[cc] = bs * delta[cc];
+  }
   auto row = [&](int64_t ii, V (&acc)[NV]) {
     V Hc[NV];
     if (Pass2) {
       const V av = splat<T>(c.at[ii]);
-      const V bk = splat<T>(c.bs * c.kt[ii]);
+      const V kv = splat<T>(c.kt[ii]);
       V w0{}, w1{}, w2{}, w3{};
 #pragma GCC unroll 4
       for (int cc = 0; cc < NV; ++cc) {
         const V D = Hs[ii * NV + cc];
         const V P = c.Sp[ii * NV + cc];
-        const V Hn = av * (D - bk * delta[cc]);
+        const V Hn = av * (D - kv * bdelta[cc]);
         w0 += P * c.dov[cc];
         w1 += D * c.u[cc];
         w2 += P * delta[cc];
@@ -784,7 +779,7 @@ inline void bwd_rows(vec_t<T>* Hs, int64_t K, const BwdToken<T, NV>& c,
         Hc[cc] = Hn;
       }
       Wq[ii] = w0;
-      Wk[ii] = w1 - splat<T>(c.bs * c.at[ii]) * w2;
+      Wk[ii] = w1 - av * (bs * w2);
       Wg[ii] = w3;
     } else {
 #pragma GCC unroll 4

@@ -1,0 +1,74 @@
+"""Two builds of the native library side by side: forward and backward of the recurrent op.
+
+Each call of this script loads ONE ``libkda.so`` by path (``torch.ops.load_library``; the
+``torch_kda`` package is not imported, so its installed library does not clash) and times
+``kda::fused_recurrent_fwd`` and ``kda::fused_recurrent_bwd`` (q/k L2 norm, softplus gate with
+``A_log``/``dt_bias`` and sigmoid beta in the op; dense random cotangents) at B = 1, K = V = 128,
+fp32, with the fp32 GEMM rate (``torch.mm`` 2048^2) measured in the same process before each
+repetition. One thread: process CPU time (``time.process_time``: time lost to other processes on
+a shared box is not counted); more threads: wall time. FLOPs as ``benchmark.Shape.flops``
+(8·K·V per token and value head forward, 32·K·V forward + backward). Alternate the builds
+between calls, e.g.::
+
+    for r in 1 2; do for lib in /tmp/base/libkda.so /tmp/new/libkda.so; do
+      python benchmarks/ab_libs.py $lib --heads 4 --threads 1; done; done
+
+Prints one line per call: medians over ``--reps`` of fwd and bwd (ms) and their % of the GEMM
+rate (docs/benchmarks.md, "Training: forward + backward vs the GEMM rate").
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("lib")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=3)
+    a = p.parse_args()
+    torch.ops.load_library(a.lib)
+    torch.set_num_threads(a.threads)
+    H, T, K = a.heads, a.seq_len, 128
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*s: int) -> torch.Tensor:
+        return torch.randn(*s, generator=gen)
+
+    q, k, v, g, beta = rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, H)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              A_log=torch.rand(H, generator=gen) * 2.7, dt_bias=rnd(H * K) * 0.5)
+    args = (q, k, v, g, beta, K ** -0.5)
+    o, s, ckpt = torch.ops.kda.fused_recurrent_fwd(*args, **kw)
+    d_o, d_s = rnd(*o.shape), rnd(*s.shape)
+    clock = time.process_time if a.threads == 1 else time.perf_counter
+
+    def seconds(fn) -> float:
+        t0 = clock()
+        fn()
+        return clock() - t0
+
+    mm_a, mm_b = rnd(2048, 2048), rnd(2048, 2048)
+    torch.mm(mm_a, mm_b)
+    torch.ops.kda.fused_recurrent_bwd(d_o, d_s, ckpt, *args, **kw)  # warm-up (output cache)
+    gemm, fwd, bwd = [], [], []
+    for _ in range(a.reps):
+        gemm.append(max(2 * 2048 ** 3 / seconds(lambda: torch.mm(mm_a, mm_b)) / 1e9 for _ in range(2)))
+        fwd.append(seconds(lambda: torch.ops.kda.fused_recurrent_fwd(*args, **kw)))
+        bwd.append(seconds(lambda: torch.ops.kda.fused_recurrent_bwd(d_o, d_s, ckpt, *args, **kw)))
+    G, F, B = (statistics.median(x) for x in (gemm, fwd, bwd))
+    fl = 8 * K * K * H * T  # forward FLOPs; the backward counts 3x
+    print(f"{a.lib} H{H} T{T} thr{a.threads} gemm={G:.0f} GFLOP/s fwd={F * 1e3:.1f} ms "
+          f"bwd={B * 1e3:.1f} ms fwd={100 * fl / F / 1e9 / G:.1f}% bwd={100 * 3 * fl / B / 1e9 / G:.1f}% "
+          f"fwd+bwd={100 * 4 * fl / (F + B) / 1e9 / G:.1f}% of GEMM", flush=True)
+
+
+if __name__ == "__main__":
+    main()

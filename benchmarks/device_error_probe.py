@@ -40,6 +40,8 @@ _CHANGES = {
     "wrong k shape": "args[1] = args[1][..., :3]",
     "wrong v shape": "args[2] = args[2][:, :4]",
     "wrong k dtype": "args[1] = args[1].double()",
+    "g > 0 (a value)": "args[3] = args[3].abs() + 0.5",
+    "wrong HV": "args[2] = args[2][:, :, :1].expand(B, T, 3, V).contiguous()",
     "correct inputs": "pass",
 }
 

@@ -60,19 +60,19 @@ bool is_float_dtype(at::ScalarType t) {
 }
 
 void check_float(const char* op, const at::Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(is_float_dtype(t.scalar_type()), op, name,
+  KDA_CHECK_TYPE(is_float_dtype(t.scalar_type()), op, name,
               " must be a floating tensor (float64, float32, bfloat16 or float16), got dtype ",
               t.scalar_type());
 }
 
 void check_device(const char* op, const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK_VALUE(t.device() == q.device(), op, name, " must be on the device of q (", q.device(),
+  KDA_CHECK_VALUE(t.device() == q.device(), op, name, " must be on the device of q (", q.device(),
               "), got ", t.device());
 }
 
 void check_shape(const char* op, const at::Tensor& t, const char* name, at::IntArrayRef expected,
                  const char* what) {
-  TORCH_CHECK_VALUE(t.sizes() == expected, op, name, " must have shape ", shape_str(expected), " ", what,
+  KDA_CHECK_VALUE(t.sizes() == expected, op, name, " must have shape ", shape_str(expected), " ", what,
               ", got ", shape_str(t.sizes()));
 }
 
@@ -81,16 +81,16 @@ void check_shape(const char* op, const at::Tensor& t, const char* name, at::IntA
 Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
   const at::Tensor& q = in.q;
   const char* op = cfg.op;
-  TORCH_CHECK_TYPE(q.defined() && in.k.defined() && in.v.defined() && in.g.defined() &&
+  KDA_CHECK_TYPE(q.defined() && in.k.defined() && in.v.defined() && in.g.defined() &&
                   in.beta.defined(),
               op, "q, k, v, g and beta must be defined tensors");
-  TORCH_CHECK_VALUE(q.dim() == 4, op, "q must be 4-D [B, T, H, K], got shape ", shape_str(q.sizes()));
-  TORCH_CHECK_TYPE(q.scalar_type() == at::kDouble || q.scalar_type() == at::kFloat ||
+  KDA_CHECK_VALUE(q.dim() == 4, op, "q must be 4-D [B, T, H, K], got shape ", shape_str(q.sizes()));
+  KDA_CHECK_TYPE(q.scalar_type() == at::kDouble || q.scalar_type() == at::kFloat ||
                   q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               op, "q must be float64, float32, bfloat16 or float16, got dtype ", q.scalar_type());
-  TORCH_CHECK_TYPE(in.k.scalar_type() == q.scalar_type(), op, "k must have the dtype of q (",
+  KDA_CHECK_TYPE(in.k.scalar_type() == q.scalar_type(), op, "k must have the dtype of q (",
               q.scalar_type(), "), got ", in.k.scalar_type());
-  TORCH_CHECK_TYPE(in.v.scalar_type() == q.scalar_type(), op, "v must have the dtype of q (",
+  KDA_CHECK_TYPE(in.v.scalar_type() == q.scalar_type(), op, "v must have the dtype of q (",
               q.scalar_type(), "), got ", in.v.scalar_type());
   check_float(op, in.g, "g");
   check_float(op, in.beta, "beta");
@@ -100,20 +100,20 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
   d.T = q.size(1);
   d.H = q.size(2);
   d.K = q.size(3);
-  TORCH_CHECK_VALUE(d.H > 0, op, "q must have at least one head (H = q.size(2) > 0), got H = ", d.H);
-  TORCH_CHECK_VALUE(d.K > 0, op, "the key dimension K = q.size(3) must be > 0, got ", d.K);
+  KDA_CHECK_VALUE(d.H > 0, op, "q must have at least one head (H = q.size(2) > 0), got H = ", d.H);
+  KDA_CHECK_VALUE(d.K > 0, op, "the key dimension K = q.size(3) must be > 0, got ", d.K);
   check_shape(op, in.k, "k", q.sizes(), "(the shape of q, [B, T, H, K])");
-  TORCH_CHECK_VALUE(in.v.dim() == 4, op, "v must be 4-D [B, T, HV, V], got shape ", shape_str(in.v.sizes()));
-  TORCH_CHECK_VALUE(in.v.size(0) == d.B && in.v.size(1) == d.T, op,
+  KDA_CHECK_VALUE(in.v.dim() == 4, op, "v must be 4-D [B, T, HV, V], got shape ", shape_str(in.v.sizes()));
+  KDA_CHECK_VALUE(in.v.size(0) == d.B && in.v.size(1) == d.T, op,
               "v must have shape [B, T, HV, V] with B = ", d.B, " and T = ", d.T,
               " (from q), got ", shape_str(in.v.sizes()));
   d.HV = in.v.size(2);
   d.V = in.v.size(3);
-  TORCH_CHECK_VALUE(d.HV > 0 && d.HV % d.H == 0, op,
+  KDA_CHECK_VALUE(d.HV > 0 && d.HV % d.H == 0, op,
               "the number of value heads HV = v.size(2) must be a positive multiple of the "
               "number of q/k heads H = ",
               d.H, ", got HV = ", d.HV);
-  TORCH_CHECK_VALUE(d.V > 0, op, "the value dimension V = v.size(3) must be > 0, got ", d.V);
+  KDA_CHECK_VALUE(d.V > 0, op, "the value dimension V = v.size(3) must be > 0, got ", d.V);
   check_shape(op, in.g, "g", {d.B, d.T, d.HV, d.K}, "[B, T, HV, K]");
   check_shape(op, in.beta, "beta", {d.B, d.T, d.HV}, "[B, T, HV]");
   check_device(op, in.k, "k", q);
@@ -121,19 +121,19 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
   check_device(op, in.g, "g", q);
   check_device(op, in.beta, "beta", q);
 
-  TORCH_CHECK_VALUE(std::isfinite(cfg.scale), op, "scale must be finite, got ", cfg.scale);
-  TORCH_CHECK_VALUE(!cfg.allow_neg_eigval || cfg.use_beta_sigmoid_in_kernel, op,
+  KDA_CHECK_VALUE(std::isfinite(cfg.scale), op, "scale must be finite, got ", cfg.scale);
+  KDA_CHECK_VALUE(!cfg.allow_neg_eigval || cfg.use_beta_sigmoid_in_kernel, op,
               "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True");
-  TORCH_CHECK_VALUE(cfg.use_gate_in_kernel || (!in.A_log && !in.dt_bias), op,
+  KDA_CHECK_VALUE(cfg.use_gate_in_kernel || (!in.A_log && !in.dt_bias), op,
               "A_log and dt_bias are only used with use_gate_in_kernel=True, got "
               "use_gate_in_kernel=False with A_log ", in.A_log ? "set" : "None", " and dt_bias ",
               in.dt_bias ? "set" : "None");
   if (cfg.use_gate_in_kernel) {
     if (cfg.lower_bound) {
-      TORCH_CHECK_VALUE(std::isfinite(*cfg.lower_bound) && *cfg.lower_bound < 0.0, op,
+      KDA_CHECK_VALUE(std::isfinite(*cfg.lower_bound) && *cfg.lower_bound < 0.0, op,
                   "lower_bound must be a finite negative number, got ", *cfg.lower_bound);
     } else {
-      TORCH_CHECK_VALUE(in.A_log.has_value(), op,
+      KDA_CHECK_VALUE(in.A_log.has_value(), op,
                   "use_gate_in_kernel=True without lower_bound (softplus gate) requires A_log, "
                   "got None");
     }
@@ -141,14 +141,14 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
   if (in.A_log) {
     check_float(op, *in.A_log, "A_log");
     check_device(op, *in.A_log, "A_log", q);
-    TORCH_CHECK_VALUE(in.A_log->dim() == 1 && in.A_log->size(0) == d.HV, op,
+    KDA_CHECK_VALUE(in.A_log->dim() == 1 && in.A_log->size(0) == d.HV, op,
                 "A_log must have shape [HV] = [", d.HV, "], got ", shape_str(in.A_log->sizes()));
   }
   if (in.dt_bias) {
     check_float(op, *in.dt_bias, "dt_bias");
     check_device(op, *in.dt_bias, "dt_bias", q);
     const auto& b = *in.dt_bias;
-    TORCH_CHECK_VALUE((b.dim() == 1 && b.size(0) == d.HV * d.K) ||
+    KDA_CHECK_VALUE((b.dim() == 1 && b.size(0) == d.HV * d.K) ||
                     (b.dim() == 2 && b.size(0) == d.HV && b.size(1) == d.K),
                 op, "dt_bias must have shape [HV * K] = [", d.HV * d.K, "] or [HV, K] = [", d.HV,
                 ", ", d.K, "], got ", shape_str(b.sizes()));
@@ -156,24 +156,24 @@ Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
 
   if (in.cu_seqlens) {
     const auto& cu = *in.cu_seqlens;
-    TORCH_CHECK_TYPE(cu.scalar_type() == at::kLong || cu.scalar_type() == at::kInt, op,
+    KDA_CHECK_TYPE(cu.scalar_type() == at::kLong || cu.scalar_type() == at::kInt, op,
                 "cu_seqlens must be int64 or int32, got dtype ", cu.scalar_type());
-    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, op,
+    KDA_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, op,
                 "cu_seqlens must be 1-D [N + 1] with N >= 0, got shape ", shape_str(cu.sizes()));
-    TORCH_CHECK_VALUE(d.B == 1, op, "with cu_seqlens the batch size must be 1, got B = ", d.B);
+    KDA_CHECK_VALUE(d.B == 1, op, "with cu_seqlens the batch size must be 1, got B = ", d.B);
     d.varlen = true;
     d.N = cu.size(0) - 1;
     if (check_values) {
-      TORCH_CHECK_VALUE(cu.device().is_cpu(), op, "cu_seqlens must be a CPU tensor, got ",
+      KDA_CHECK_VALUE(cu.device().is_cpu(), op, "cu_seqlens must be a CPU tensor, got ",
                   cu.device());
       const auto c = cu.to(at::kLong).contiguous();
       const int64_t* p = c.data_ptr<int64_t>();
-      TORCH_CHECK_VALUE(p[0] == 0, op, "cu_seqlens[0] must be 0, got ", p[0]);
+      KDA_CHECK_VALUE(p[0] == 0, op, "cu_seqlens[0] must be 0, got ", p[0]);
       for (int64_t i = 0; i < d.N; ++i) {
-        TORCH_CHECK_VALUE(p[i + 1] >= p[i], op, "cu_seqlens must be non-decreasing, got cu_seqlens[",
+        KDA_CHECK_VALUE(p[i + 1] >= p[i], op, "cu_seqlens must be non-decreasing, got cu_seqlens[",
                     i, "] = ", p[i], " > cu_seqlens[", i + 1, "] = ", p[i + 1]);
       }
-      TORCH_CHECK_VALUE(p[d.N] == d.T, op, "cu_seqlens[-1] must equal T = ", d.T, ", got ", p[d.N]);
+      KDA_CHECK_VALUE(p[d.N] == d.T, op, "cu_seqlens[-1] must equal T = ", d.T, ", got ", p[d.N]);
     }
   } else {
     d.N = d.B;
@@ -223,7 +223,7 @@ Config make_config(const char* op, double scale, bool l2, bool gate, bool sig, b
 }
 
 void check_cpu(const char* op, const Inputs& in) {
-  TORCH_CHECK_VALUE(in.q.device().is_cpu(), op, "the native kernels run on CPU tensors, got q on ",
+  KDA_CHECK_VALUE(in.q.device().is_cpu(), op, "the native kernels run on CPU tensors, got q on ",
               in.q.device());
 }
 
@@ -306,7 +306,7 @@ std::optional<at::Tensor> check_bwd_call(const at::Tensor& grad_o,
   const char* op = cfg.op;
   check_cpu(op, in);
   const Dims d = check_inputs(in, cfg, /*check_values=*/true);
-  TORCH_CHECK_VALUE(grad_o.sizes() == at::IntArrayRef({d.B, d.T, d.HV, d.V}), op,
+  KDA_CHECK_VALUE(grad_o.sizes() == at::IntArrayRef({d.B, d.T, d.HV, d.V}), op,
               "grad_o must have shape [B, T, HV, V] = ", shape_str({d.B, d.T, d.HV, d.V}),
               ", got ", shape_str(grad_o.sizes()));
   check_float(op, grad_o, "grad_o");
@@ -351,7 +351,7 @@ Grads chunk_bwd_cpu_op(const at::Tensor& grad_o, const std::optional<at::Tensor>
 // Checks that need no sizes: every tensor defined and on q's device (a tensor on another device
 // can route the call to this kernel).
 void check_defined_same_device(const char* op, KDA_OP_ARGS) {
-  TORCH_CHECK_TYPE(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(), op,
+  KDA_CHECK_TYPE(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(), op,
               "q, k, v, g and beta must be defined tensors");
   check_device(op, k, "k", q);
   check_device(op, v, "v", q);
@@ -371,7 +371,7 @@ std::vector<c10::SymInt> state_shape_meta(const char* op, const at::Tensor& q,
                                           const at::Tensor& v,
                                           const std::optional<at::Tensor>& cu_seqlens,
                                           bool state_v_first) {
-  TORCH_CHECK_VALUE(q.dim() == 4 && v.dim() == 4, op, "q and v must be 4-D");
+  KDA_CHECK_VALUE(q.dim() == 4 && v.dim() == 4, op, "q and v must be 4-D");
   c10::SymInt N = (cu_seqlens && cu_seqlens->defined()) ? cu_seqlens->sym_size(0) - 1
                                                          : q.sym_size(0);
   if (state_v_first) return {N, v.sym_size(2), v.sym_size(3), q.sym_size(3)};
@@ -490,7 +490,7 @@ class FusedRecurrentBackward : public torch::autograd::Function<FusedRecurrentBa
             std::get<4>(r), std::get<5>(r), std::get<6>(r), std::get<7>(r)};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(false, ctx->saved_data["chunk"].toBool() ? kChunkBwd : kRecBwd,
+    KDA_CHECK(false, ctx->saved_data["chunk"].toBool() ? kChunkBwd : kRecBwd,
                 "the native backward is first order only; for "
                 "higher-order gradients (e.g. create_graph=True followed by another backward) use "
                 "backend=\"reference\"");
@@ -691,12 +691,12 @@ void check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& wr
     const std::string layout =
         "(shape " + shape_str(t.sizes()) + ", strides " + shape_str(t.strides()) + "; an expanded tensor?)";
     if (name == "initial_state") {
-      TORCH_CHECK_VALUE(false, kSrv, "the slots of the state pool (initial_state) overlap in memory ",
+      KDA_CHECK_VALUE(false, kSrv, "the slots of the state pool (initial_state) overlap in memory ",
                         layout, ", so two slot indices could name one state that "
                         "inplace_final_state=True writes; pass a pool whose slots are separate "
                         "(e.g. initial_state.contiguous())");
     }
-    TORCH_CHECK_VALUE(false, kSrv, name, " has elements that share memory ", layout,
+    KDA_CHECK_VALUE(false, kSrv, name, " has elements that share memory ", layout,
                       ", and it is written in place; pass a tensor of separate elements (e.g. "
                       "torch.empty)");
   }
@@ -704,7 +704,7 @@ void check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& wr
   all.insert(all.end(), read.begin(), read.end());
   for (size_t i = 0; i < written.size(); ++i) {
     for (size_t j = i + 1; j < all.size(); ++j) {
-      TORCH_CHECK_VALUE(!spans_intersect(all[i].second, all[j].second), kSrv, all[i].first,
+      KDA_CHECK_VALUE(!spans_intersect(all[i].second, all[j].second), kSrv, all[i].first,
                         " shares memory with ", all[j].first, ": it is written in place while the "
                         "call reads ", all[j].first, ", which would corrupt the result; pass a "
                         "separate tensor as ", all[i].first);
@@ -719,9 +719,9 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
   const auto idx = defined_or_none(ssm_state_indices);
   const auto nat = defined_or_none(num_accepted_tokens);
   const auto fresh = defined_or_none(final_state);
-  TORCH_CHECK(beta.defined(), kSrv, "beta must be a defined tensor");
+  KDA_CHECK(beta.defined(), kSrv, "beta must be a defined tensor");
   const bool headwise = beta.dim() == 4;
-  TORCH_CHECK_VALUE(!headwise || beta.size(3) > 0, kSrv, "head-wise beta [B, T, HV, V] needs V = "
+  KDA_CHECK_VALUE(!headwise || beta.size(3) > 0, kSrv, "head-wise beta [B, T, HV, V] needs V = "
                     "v.shape[3] > 0 columns, got shape ", shape_str(beta.sizes()));
   // The plain checks, with the pool and a head-wise beta replaced by what they check.
   in = make_inputs(q, k, v, g, headwise ? beta.select(3, 0) : beta, idx ? std::nullopt : pool,
@@ -739,15 +739,15 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
   const char* layout = state_v_first ? "[num_slots, HV, V, K] (state_v_first)" : "[num_slots, HV, K, V]";
   int64_t num_slots = 0;
   if (idx || inplace_final_state) {
-    TORCH_CHECK_VALUE(pool.has_value(), kSrv, idx ? "ssm_state_indices" : "inplace_final_state=True",
+    KDA_CHECK_VALUE(pool.has_value(), kSrv, idx ? "ssm_state_indices" : "inplace_final_state=True",
                       " needs the state pool as initial_state ", layout, ", got None");
     const auto& p = *pool;
     check_device(kSrv, p, "initial_state", q);
-    TORCH_CHECK_VALUE(p.dim() == 4 && p.size(1) == per_slot[0] && p.size(2) == per_slot[1] &&
+    KDA_CHECK_VALUE(p.dim() == 4 && p.size(1) == per_slot[0] && p.size(2) == per_slot[1] &&
                           p.size(3) == per_slot[2],
                       kSrv, "initial_state (the state pool) must have shape ", layout,
                       " with [HV, ., .] = ", shape_str(per_slot), ", got ", shape_str(p.sizes()));
-    TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 ||
+    KDA_CHECK_TYPE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 ||
                          (p.scalar_type() == at::kDouble && ct == at::kDouble),
                      kSrv, "the state pool (initial_state) must be float32 or bfloat16 (or float64 "
                      "with float64 inputs), got ", p.scalar_type());
@@ -755,16 +755,16 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
   }
   if (inplace_final_state) {
     const auto& p = *pool;
-    TORCH_CHECK_VALUE(p.stride(3) == 1 && p.stride(2) == p.size(3) &&
+    KDA_CHECK_VALUE(p.stride(3) == 1 && p.stride(2) == p.size(3) &&
                           p.stride(1) == p.size(2) * p.size(3),
                       kSrv, "inplace_final_state=True needs each slot of the pool contiguous, got "
                       "strides ", shape_str(p.strides()));
-    TORCH_CHECK_VALUE(!fresh, kSrv, "final_state must be None with inplace_final_state=True "
+    KDA_CHECK_VALUE(!fresh, kSrv, "final_state must be None with inplace_final_state=True "
                       "(the pool receives the states)");
   }
   check_device(kSrv, out, "out", q);
   check_shape(kSrv, out, "out", {d.B, d.T, d.HV, d.V}, "[B, T, HV, V]");
-  TORCH_CHECK_TYPE(out.scalar_type() == q.scalar_type(), kSrv, "out must have the dtype of q (",
+  KDA_CHECK_TYPE(out.scalar_type() == q.scalar_type(), kSrv, "out must have the dtype of q (",
                    q.scalar_type(), "), got ", out.scalar_type());
   if (fresh) {
     check_device(kSrv, *fresh, "final_state", q);
@@ -773,7 +773,7 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
     } else {
       check_shape(kSrv, *fresh, "final_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]");
     }
-    TORCH_CHECK_TYPE(fresh->scalar_type() == ct && fresh->is_contiguous(), kSrv,
+    KDA_CHECK_TYPE(fresh->scalar_type() == ct && fresh->is_contiguous(), kSrv,
                      "final_state must be a contiguous ", ct, " tensor, got ", fresh->scalar_type());
   }
 
@@ -802,9 +802,9 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
   plan.pad.assign(d.N, 0);
   std::vector<int64_t> accepted;
   if (nat) {
-    TORCH_CHECK_VALUE(idx && idx->dim() == 2, kSrv, "num_accepted_tokens (speculative decoding) "
+    KDA_CHECK_VALUE(idx && idx->dim() == 2, kSrv, "num_accepted_tokens (speculative decoding) "
                       "needs 2-D ssm_state_indices [N, T_max]");
-    TORCH_CHECK_TYPE(nat->scalar_type() == at::kLong || nat->scalar_type() == at::kInt, kSrv,
+    KDA_CHECK_TYPE(nat->scalar_type() == at::kLong || nat->scalar_type() == at::kInt, kSrv,
                      "num_accepted_tokens must be int64 or int32, got ", nat->scalar_type());
     check_device(kSrv, *nat, "num_accepted_tokens", q);
     check_shape(kSrv, *nat, "num_accepted_tokens", {d.N}, "[N]");
@@ -818,13 +818,13 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
     }
     return plan;
   }
-  TORCH_CHECK_TYPE(idx->scalar_type() == at::kLong || idx->scalar_type() == at::kInt, kSrv,
+  KDA_CHECK_TYPE(idx->scalar_type() == at::kLong || idx->scalar_type() == at::kInt, kSrv,
                    "ssm_state_indices must be int64 or int32, got ", idx->scalar_type());
   check_device(kSrv, *idx, "ssm_state_indices", q);
-  TORCH_CHECK_VALUE((idx->dim() == 1 || idx->dim() == 2) && idx->size(0) == d.N, kSrv,
+  KDA_CHECK_VALUE((idx->dim() == 1 || idx->dim() == 2) && idx->size(0) == d.N, kSrv,
                     "ssm_state_indices must have shape [N] or [N, T_max] with N = ", d.N,
                     ", got ", shape_str(idx->sizes()));
-  TORCH_CHECK_VALUE(idx->dim() == 1 || inplace_final_state, kSrv,
+  KDA_CHECK_VALUE(idx->dim() == 1 || inplace_final_state, kSrv,
                     "2-D ssm_state_indices write per-token snapshots into the pool and need "
                     "inplace_final_state=True");
   const auto iv = idx->to(at::kLong).contiguous();
@@ -833,7 +833,7 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
   auto slot = [&](int64_t n, int64_t t) -> int64_t {  // -1: pad
     const int64_t s = ix[n * cols + t];
     if (s == pad_slot_id) return -1;
-    TORCH_CHECK_VALUE(s >= 0 && s < num_slots, kSrv, "ssm_state_indices[", n,
+    KDA_CHECK_VALUE(s >= 0 && s < num_slots, kSrv, "ssm_state_indices[", n,
                       idx->dim() == 2 ? ", " + std::to_string(t) : std::string(), "] = ", s,
                       " is out of range: expected a slot in [0, ", num_slots,
                       ") (num_slots = initial_state.shape[0]) or pad_slot_id = ", pad_slot_id);
@@ -843,7 +843,7 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
   auto claim = [&](int64_t s, int64_t n) {
     if (s < 0) return;
     const auto it = writer.emplace(s, n).first;
-    TORCH_CHECK_VALUE(it->second == n, kSrv, "two sequences write slot ", s,
+    KDA_CHECK_VALUE(it->second == n, kSrv, "two sequences write slot ", s,
                       " in one call (sequences ", it->second, " and ", n,
                       "); each slot may be written by one sequence only");
   };
@@ -864,14 +864,14 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
     plan.snap.assign(d.N * cols, -1);
     for (int64_t n = 0; n < d.N; ++n) {
       const int64_t Tn = plan.seq_end[n] - plan.seq_start[n];
-      TORCH_CHECK_VALUE(Tn <= cols, kSrv, "sequence ", n, " has ", Tn,
+      KDA_CHECK_VALUE(Tn <= cols, kSrv, "sequence ", n, " has ", Tn,
                         " tokens but ssm_state_indices has T_max = ", cols, " columns");
       if (Tn == 0) {
         plan.pad[n] = 1;
         continue;
       }
       const int64_t a = nat ? accepted[n] : 1;
-      TORCH_CHECK_VALUE(a >= 1 && a <= Tn, kSrv, "num_accepted_tokens[", n,
+      KDA_CHECK_VALUE(a >= 1 && a <= Tn, kSrv, "num_accepted_tokens[", n,
                         "] must be in [1, T_n] = [1, ", Tn, "], got ", a);
       std::vector<int64_t> row(Tn);
       for (int64_t t = 0; t < Tn; ++t) row[t] = slot(n, t);
@@ -888,7 +888,7 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
     const int64_t s = plan.src_row[n];
     if (s < 0) continue;
     const auto it = writer.find(s);
-    TORCH_CHECK_VALUE(it == writer.end() || it->second == n, kSrv, "slot ", s,
+    KDA_CHECK_VALUE(it == writer.end() || it->second == n, kSrv, "slot ", s,
                       " is read by sequence ", n, " and written by sequence ", it->second,
                       " in the same call; give each sequence its own slots");
   }
@@ -919,7 +919,7 @@ void fused_recurrent_serving_autograd(KDA_SERVING_ARGS) {
                        : g.requires_grad() ? "g" : beta.requires_grad() ? "beta"
                        : req(initial_state) ? "initial_state" : req(A_log) ? "A_log"
                        : req(dt_bias) ? "dt_bias" : out.requires_grad() ? "out" : nullptr;
-    TORCH_CHECK_VALUE(name == nullptr, kSrv, "serving calls are inference only (the pool and out "
+    KDA_CHECK_VALUE(name == nullptr, kSrv, "serving calls are inference only (the pool and out "
                       "are written in place), but ", name, " requires grad; run under "
                       "torch::NoGradGuard / torch.no_grad(), or use backend=\"reference\" for "
                       "gradients");
@@ -940,8 +940,8 @@ namespace {
 
 // scale's default, K ** -0.5 (q's last dimension), after the checks that reading K needs.
 double default_scale(const at::Tensor& q, const FusedRecurrentOptions& o, const char* who) {
-  TORCH_CHECK_TYPE(q.defined(), who, "q must be a defined tensor");
-  TORCH_CHECK_VALUE(q.dim() == 4, who, "q must be 4-D [B, T, H, K], got shape ", detail::shape_str(q.sizes()));
+  KDA_CHECK_TYPE(q.defined(), who, "q must be a defined tensor");
+  KDA_CHECK_VALUE(q.dim() == 4, who, "q must be 4-D [B, T, H, K], got shape ", detail::shape_str(q.sizes()));
   return o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
 }
 
@@ -986,7 +986,7 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent(const at::Tensor& q, const at
   }
   // Serving call: the outputs are allocated here (the op writes into them) and the op checks
   // everything before writing.
-  TORCH_CHECK(v.defined() && v.dim() == 4, "kda::fused_recurrent: v must be 4-D [B, T, HV, V]");
+  KDA_CHECK(v.defined() && v.dim() == 4, "kda::fused_recurrent: v must be 4-D [B, T, HV, V]");
   const at::Tensor out = o.out ? *o.out : at::empty(v.sizes(), q.options());
   std::optional<at::Tensor> final_state;
   if (!o.inplace_final_state) {
@@ -1010,11 +1010,11 @@ std::tuple<at::Tensor, at::Tensor> chunk(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& beta, const FusedRecurrentOptions& o) {
   const double scale = default_scale(q, o, "kda::chunk: ");
   // The chunkwise kernels have no state pool: a serving option would otherwise be dropped silently.
-  TORCH_CHECK_VALUE(!is_serving_call(beta, o), "kda::chunk: the serving options "
+  KDA_CHECK_VALUE(!is_serving_call(beta, o), "kda::chunk: the serving options "
                     "(ssm_state_indices, num_accepted_tokens, inplace_final_state, out, a "
                     "head-wise beta [B, T, HV, V]) are not supported by the chunkwise form; use "
                     "kda::fused_recurrent for serving calls (docs/serving.md)");
-  TORCH_CHECK_VALUE(o.pad_slot_id == -1, "kda::chunk: pad_slot_id is a serving option (it marks "
+  KDA_CHECK_VALUE(o.pad_slot_id == -1, "kda::chunk: pad_slot_id is a serving option (it marks "
                     "pad entries of ssm_state_indices) and must stay -1, got ", o.pad_slot_id);
   static const auto op = plain_op("kda::chunk");
   return call_plain_op(op, q, k, v, g, beta, scale, o);

@@ -2,6 +2,7 @@
 #include "cpu/chunk_products.h"
 
 #include "cpu/chunk_common.h"
+#include "cpu/error_message.h"
 
 #include <ATen/native/CPUBlas.h>
 
@@ -26,7 +27,7 @@ constexpr int64_t kBlockN = 64;
 Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op) {
   const char* env = std::getenv("TORCH_KDA_CHUNK_PRODUCTS");
   const std::string knob = env && *env ? env : "auto";
-  TORCH_CHECK(knob == "auto" || knob == "fp32" || knob == "bf16", op,
+  KDA_CHECK(knob == "auto" || knob == "fp32" || knob == "bf16", op,
               "TORCH_KDA_CHUNK_PRODUCTS must be auto, fp32 or bf16, got '", knob, "'");
   const bool half = input == at::kBFloat16 || input == at::kHalf;
   if (!half || knob == "fp32" || K % 16 != 0 || V % 16 != 0) return Products::kNative;

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "cpu/error_message.h"
 #include "cpu/kernels/recurrent_kernels.h"
 
 #include <algorithm>
@@ -51,19 +52,6 @@ struct Dims {
 Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values);
 
 // Dtype of the arithmetic and of the state: fp64 for fp64 q, else fp32.
-// "[2, 6, 4]": tensor sizes for error messages, formatted here rather than by c10's ostream
-// operator for IntArrayRef. On one pairing (torch 2.11 + g++ 13, docs/benchmarks.md "Known
-// problem") the ops' shape errors, whose messages printed sizes that way, crashed the process;
-// formatting them ourselves takes that printing out of every error path.
-inline std::string shape_str(at::IntArrayRef sizes) {
-  std::string s = "[";
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    if (i > 0) s += ", ";
-    s += std::to_string(sizes[i]);
-  }
-  return s + "]";
-}
-
 inline at::ScalarType compute_dtype(const at::Tensor& q) {
   return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }

@@ -6,6 +6,7 @@
 // ACROSS calls, and a tensor may outlive any object a call could own. The one instance is never
 // destroyed, so a tensor freed during interpreter shutdown still finds it.
 #include "cpu/output_cache.h"
+#include "cpu/error_message.h"
 
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
@@ -61,7 +62,7 @@ int64_t default_limit() {
     if (mb >= 0 && env[used] == '\0' && mb <= (std::numeric_limits<int64_t>::max() >> 20)) {
       limit = mb << 20;
     } else {
-      TORCH_WARN("TORCH_KDA_OUTPUT_CACHE_MB=", env, " is not a whole number of megabytes >= 0; "
+      KDA_WARN("TORCH_KDA_OUTPUT_CACHE_MB=", env, " is not a whole number of megabytes >= 0; "
                  "using the default (", limit >> 20, " MB)");
     }
   }

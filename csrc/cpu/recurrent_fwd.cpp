@@ -10,7 +10,6 @@
 #include <atomic>
 #include <cstdint>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -25,9 +24,7 @@ namespace detail {
 namespace {
 // "[b, t, h" of a global token index (token = b * T + t).
 std::string where_of(int64_t token, int64_t T, int64_t h) {
-  std::ostringstream s;
-  s << "[" << (T > 0 ? token / T : 0) << ", " << (T > 0 ? token % T : token) << ", " << h;
-  return s.str();
+  return message("[", T > 0 ? token / T : 0, ", ", T > 0 ? token % T : token, ", ", h);
 }
 
 template <typename T>
@@ -80,7 +77,7 @@ void report_domain(const FirstBad& bad, const Inputs& in, const Config& cfg,
   if (bg >= 0) {
     const int64_t token = bg / (d.HV * d.K), hv = (bg / d.K) % d.HV, i = bg % d.K;
     const double val = in.g.reshape({-1})[bg].item<double>();
-    TORCH_CHECK_VALUE(false, cfg.op, "g must be a log-decay <= 0 with "
+    KDA_CHECK_VALUE(false, cfg.op, "g must be a log-decay <= 0 with "
                       "use_gate_in_kernel=False, got g", where_of(token, d.T, hv), ", ", i,
                       "] = ", val, "; pass log(decay) for a decay in (0, 1], or the raw gate "
                       "input with use_gate_in_kernel=True and A_log");
@@ -91,7 +88,7 @@ void report_domain(const FirstBad& bad, const Inputs& in, const Config& cfg,
     const int64_t token = bb / (d.HV * C), hv = (bb / C) % d.HV;
     const std::string column = C > 1 ? ", " + std::to_string(bb % C) : std::string();
     const double val = in.beta.reshape({-1})[bb].item<double>();
-    TORCH_CHECK_VALUE(false, cfg.op, "beta must lie in [0, 2] with "
+    KDA_CHECK_VALUE(false, cfg.op, "beta must lie in [0, 2] with "
                       "use_beta_sigmoid_in_kernel=False, got beta", where_of(token, d.T, hv),
                       column, "] = ", val,
                       "; pass use_beta_sigmoid_in_kernel=True if beta holds logits");

@@ -63,14 +63,14 @@ int64_t first_unstable(const at::Tensor& k, const at::Tensor& beta, bool beta_si
 
 int64_t first_unstable_write(const at::Tensor& k, const at::Tensor& beta, bool beta_sigmoid,
                              double beta_mult) {
-  TORCH_CHECK_VALUE(k.device().is_cpu() && beta.device().is_cpu(), kOp,
+  KDA_CHECK_VALUE(k.device().is_cpu() && beta.device().is_cpu(), kOp,
                     "k and beta must be CPU tensors, got ", k.device(), " and ", beta.device());
-  TORCH_CHECK_VALUE(k.dim() == 4, kOp, "k must be 4-D [B, T, H, K], got ", shape_str(k.sizes()));
-  TORCH_CHECK_VALUE((beta.dim() == 3 || beta.dim() == 4) && beta.size(0) == k.size(0) &&
+  KDA_CHECK_VALUE(k.dim() == 4, kOp, "k must be 4-D [B, T, H, K], got ", shape_str(k.sizes()));
+  KDA_CHECK_VALUE((beta.dim() == 3 || beta.dim() == 4) && beta.size(0) == k.size(0) &&
                         beta.size(1) == k.size(1) && k.size(2) > 0 && beta.size(2) % k.size(2) == 0,
                     kOp, "beta must be [B, T, HV] or [B, T, HV, V] with B, T of k and HV a multiple "
                     "of H, got beta ", shape_str(beta.sizes()), " and k ", shape_str(k.sizes()));
-  TORCH_CHECK_TYPE(k.is_floating_point() && beta.is_floating_point(), kOp,
+  KDA_CHECK_TYPE(k.is_floating_point() && beta.is_floating_point(), kOp,
                    "k and beta must be floating point, got ", k.scalar_type(), " and ",
                    beta.scalar_type());
   if (k.numel() == 0 || beta.numel() == 0) return -1;

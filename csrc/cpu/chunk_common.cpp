@@ -1,5 +1,6 @@
 // Shared pieces of the chunkwise KDA (see chunk_common.h; math: docs/math.md "Chunkwise form").
 #include "cpu/chunk_common.h"
+#include "cpu/chunk_vec.h"
 
 #include <ATen/native/CPUBlas.h>
 
@@ -89,22 +90,6 @@ inline void dot2(const T* __restrict x, const T* __restrict z, const T* __restri
   rz = az[0];
 }
 
-// dst[c, r] = src[r, c] for r < rows, c < cols (dst row stride ldd), in 8 x 8 tiles; a bf16
-// dst gets the values rounded.
-template <typename T, typename D>
-inline void transpose(const T* __restrict src, int64_t rows, int64_t cols, int64_t lds,
-                      D* __restrict dst, int64_t ldd) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    const int64_t r1 = std::min(rows, r0 + 8);
-    for (int64_t c0 = 0; c0 < cols; c0 += 8) {
-      const int64_t c1 = std::min(cols, c0 + 8);
-      for (int64_t c = c0; c < c1; ++c) {
-        for (int64_t r = r0; r < r1; ++r) dst[c * ldd + r] = D(src[r * lds + c]);
-      }
-    }
-  }
-}
-
 // The bf16 products over a chunk's tokens read their A operands up to a multiple of kSub columns
 // (the packed B takes rows in pairs; its rows there are zero): zero columns [from, to) of `rows`
 // rows, so no stale value (possibly inf or NaN) meets those zeros.
@@ -150,7 +135,7 @@ void bind_results(ChunkWork<T>& w, Carver& store, int64_t K, int64_t V, bool bf1
 // Rows [first, last] of kr: k_j . a_{j+1} ... a_last (keys decayed to token last, a running
 // product walked backwards; every factor <= 1). Inlined into the multi-versioned callers.
 template <typename T>
-inline void keys_decayed_to(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t first, int64_t last) {
+KDA_ALWAYS_INLINE void keys_decayed_to(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t first, int64_t last) {
   const int64_t K = c.K;
   T* __restrict run = w.w;
   for (int64_t d = 0; d < K; ++d) run[d] = T(1);
@@ -158,6 +143,7 @@ inline void keys_decayed_to(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t first,
     const T* __restrict k = c.k + j * K;
     const T* __restrict a = c.a + j * K;
     T* __restrict kr = w.kr + j * K;
+    KDA_IVDEP
     for (int64_t d = 0; d < K; ++d) {
       kr[d] = k[d] * run[d];
       run[d] *= a[d];
@@ -176,20 +162,16 @@ KDA_CLONES void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
     const T* __restrict a = c.a + i * K;
     const T* __restrict q = c.q + i * K;
     T* __restrict g = w.gam + i * K;
-    if (bf16) {
-      at::BFloat16* __restrict qg = w.prod.qg + i * K;
-      for (int64_t d = 0; d < K; ++d) {
-        run[d] *= a[d];
-        g[d] = run[d];
-        qg[d] = at::BFloat16(static_cast<float>(q[d] * run[d]));
-      }
-      continue;
-    }
-    T* __restrict qg = w.qg + i * K;
+    // With bf16 products the row goes through kr (scratch here) and is rounded into prod.qg.
+    T* __restrict qg = bf16 ? w.kr + i * K : w.qg + i * K;
+    KDA_IVDEP
     for (int64_t d = 0; d < K; ++d) {
       run[d] *= a[d];
       g[d] = run[d];
       qg[d] = q[d] * run[d];
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      if (bf16) round_bf16(qg, w.prod.qg + i * K, K);
     }
   }
   // kdec_i = k_i . prod_{t>i} a_t (keys decayed to the chunk end), token-major in kr, then
@@ -210,7 +192,7 @@ namespace {
 // r = r0 - 1: row factors a_r0 ... a_i (interleaved rows k_i . Rf_i, q_i . Rf_i in lq), column
 // factors a_{j+1} ... a_r (k_j . Cf_j in kr, transposed into krT), one GEMM into am.
 template <typename T>
-inline void offdiag_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t r0, int64_t r1,
+KDA_ALWAYS_INLINE void offdiag_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t r0, int64_t r1,
                           int64_t c0) {
   const int64_t K = c.K;
   T* __restrict run = w.w;
@@ -221,6 +203,7 @@ inline void offdiag_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t r0, int6
     const T* __restrict q = c.q + i * K;
     T* __restrict lk = w.lq + 2 * (i - r0) * K;
     T* __restrict lqq = lk + K;
+    KDA_IVDEP
     for (int64_t d = 0; d < K; ++d) {
       run[d] *= a[d];
       lk[d] = k[d] * run[d];
@@ -239,13 +222,14 @@ inline void offdiag_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t r0, int6
 // factors of offdiag_block, reference lo - 1). Returns false (nothing written) when the block's
 // decay is too strong.
 template <typename T>
-inline bool factored_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64_t hi,
+KDA_ALWAYS_INLINE bool factored_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64_t hi,
                            bool with_left) {
   const int64_t K = c.K;
   T* __restrict run = w.w;
   for (int64_t d = 0; d < K; ++d) run[d] = T(1);
   for (int64_t i = lo; i < hi; ++i) {
     const T* __restrict a = c.a + i * K;
+    KDA_IVDEP
     for (int64_t d = 0; d < K; ++d) run[d] *= a[d];
   }
   T least = T(1);
@@ -259,6 +243,7 @@ inline bool factored_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int
     T* __restrict lk = w.lq + 2 * (i - lo) * K;
     T* __restrict lqq = lk + K;
     T* __restrict kr = w.kr + i * K;
+    KDA_IVDEP
     for (int64_t d = 0; d < K; ++d) {
       run[d] *= a[d];
       lk[d] = k[d] * run[d];
@@ -281,7 +266,7 @@ inline bool factored_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int
 // Direct form of the pairs inside [lo, hi): for each column token j a running product over the
 // tokens after it, p = k_j . a_{j+1} ... a_i, gives A0_ij = k_i . p and M_ij = q_i . p.
 template <typename T>
-inline void direct_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64_t hi) {
+KDA_ALWAYS_INLINE void direct_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64_t hi) {
   const int64_t K = c.K;
   T* __restrict p = w.w;
   for (int64_t j = lo; j < hi; ++j) {
@@ -292,6 +277,7 @@ inline void direct_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64
     w.am[(2 * j + 1) * kC + j] = mjj;
     for (int64_t i = j + 1; i < hi; ++i) {
       const T* __restrict ai = c.a + i * K;
+      KDA_IVDEP
       for (int64_t d = 0; d < K; ++d) p[d] *= ai[d];
       T aij, mij;
       dot2(c.k + i * K, c.q + i * K, p, K, aij, mij);
@@ -363,7 +349,9 @@ KDA_CLONES void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w) {
       const T* __restrict k = c.k + i * K;
       const T* __restrict v = c.v + i * c.ldv;
       T* __restrict r = w.rhs + (i - b0) * ld;
+      KDA_IVDEP
       for (int64_t d = 0; d < K; ++d) r[d] = -b * (g[d] * k[d]);
+      KDA_IVDEP
       for (int64_t e = 0; e < V; ++e) r[K + e] = b * v[e];
     }
     if (b0 > 0) gemm(rows, ld, b0, w.na + b0 * kC, kC, w.x, ld, w.rhs, ld, /*add=*/true);
@@ -401,12 +389,8 @@ KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, fl
   const ProductWork& p = w.prod;
   float* vn = w.x + K;
   for (int64_t i = 0; i < n; ++i) {
-    const float* __restrict x = w.x + i * ld;
-    at::BFloat16* __restrict y = p.nw + i * K;
-    for (int64_t d = 0; d < K; ++d) y[d] = at::BFloat16(x[d]);
-    const float* __restrict mr = w.am + (2 * i + 1) * kC;
-    at::BFloat16* __restrict my = p.m + i * kC;
-    for (int64_t j = 0; j < ncol; ++j) my[j] = at::BFloat16(mr[j]);
+    round_bf16(w.x + i * ld, p.nw + i * K, K);
+    round_bf16(w.am + (2 * i + 1) * kC, p.m + i * kC, ncol);
   }
   pack_b(p, K, V, K, S, V, p.s);
   // Vn = U + (-W) S;  o = (Q . Gam) S
@@ -420,6 +404,7 @@ KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, fl
   for (int64_t d = 0; d < K; ++d) {
     const float f = gl[d];
     float* __restrict s = S + d * V;
+    KDA_IVDEP
     for (int64_t e = 0; e < V; ++e) s[e] *= f;
   }
   gemm16(p, K, V, ncol, p.kdecT, kC, p.vn, S, V, /*add=*/true);
@@ -451,6 +436,7 @@ KDA_CLONES void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S) {
   for (int64_t d = 0; d < K; ++d) {
     const T f = gl[d];
     T* __restrict s = S + d * V;
+    KDA_IVDEP
     for (int64_t e = 0; e < V; ++e) s[e] *= f;
   }
   gemm(K, V, n, w.kdecT, kC, vn, ld, S, V, /*add=*/true);

@@ -2,6 +2,7 @@
 #include "cpu/chunk_products.h"
 
 #include "cpu/chunk_common.h"
+#include "cpu/chunk_vec.h"
 #include "cpu/error_message.h"
 
 #include <ATen/native/CPUBlas.h>
@@ -45,7 +46,7 @@ ProductWork::ProductWork(Products mode_, Carver& c, int64_t K, int64_t V) : mode
   fa = c.take<float>(R * R);
 }
 
-void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, const float* src,
+KDA_CLONES void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, const float* src,
             int64_t lds, void* dst) {
   if (p.mode == Products::kBf16Emulated) {
     float* d = static_cast<float*>(dst);
@@ -58,11 +59,7 @@ void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, const flo
     return;
   }
   at::BFloat16* __restrict b = p.round;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* __restrict x = src + r * lds;
-    at::BFloat16* __restrict y = b + r * N;
-    for (int64_t e = 0; e < N; ++e) y[e] = at::BFloat16(x[e]);
-  }
+  for (int64_t r = 0; r < rows; ++r) round_bf16(src + r * lds, b + r * N, N);
   std::fill(b + rows * N, b + Kd * N, at::BFloat16(0.0f));
   at::BFloat16* d = static_cast<at::BFloat16*>(dst);
   for (int64_t e0 = 0; e0 < N; e0 += kBlockN) {

@@ -1,0 +1,131 @@
+// Elementwise helpers of the chunk code written so that the compiler vectorises them inside the
+// multi-versioned (KDA_CLONES) callers: a loop annotation, bf16 rounding of a row and a blocked
+// transposition. Header-only and always inlined, so each clone gets its own vector width
+// (AVX-512 / AVX2 / SSE2); the results are the same bits on every clone (no reassociation:
+// copies, shuffles and exact integer rounding only).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+// The loops over the K or V channels of one token read and write distinct rows of the chunk
+// workspace and the inputs; GCC cannot prove that through the struct members the pointers come
+// from, and otherwise leaves them scalar (measured: the factor loops of chunk_common.cpp ran as
+// scalar vmulss / vdivss). KDA_IVDEP before such a loop asserts there is no overlap.
+#if defined(__clang__)
+#define KDA_IVDEP _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define KDA_IVDEP _Pragma("GCC ivdep")
+#else
+#define KDA_IVDEP
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define KDA_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define KDA_ALWAYS_INLINE inline
+#endif
+
+namespace kda {
+namespace detail {
+namespace chunk {
+
+// y[e] = bf16(x[e]) for e < n, rounded to nearest even (NaN -> the quiet NaN 0x7FC0): the same
+// bits as at::BFloat16(float), in integer operations the compiler vectorises.
+KDA_ALWAYS_INLINE void round_bf16(const float* __restrict x, at::BFloat16* __restrict y, int64_t n) {
+  uint16_t* __restrict yb = reinterpret_cast<uint16_t*>(y);
+  KDA_IVDEP
+  for (int64_t e = 0; e < n; ++e) {
+    uint32_t u;
+    std::memcpy(&u, x + e, sizeof(u));
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    yb[e] = x[e] != x[e] ? uint16_t(0x7FC0) : uint16_t(r);
+  }
+}
+
+namespace vec_detail {
+
+#if defined(__GNUC__) || defined(__clang__)
+typedef float v8sf __attribute__((vector_size(32)));
+typedef int v8si __attribute__((vector_size(32)));
+
+// dst[c, r] = src[r, c] for an 8 x 8 tile, in three shuffle stages (pairs, quads, halves).
+KDA_ALWAYS_INLINE void transpose8(const float* __restrict src, int64_t lds, float* __restrict dst,
+                                  int64_t ldd) {
+  v8sf r0, r1, r2, r3, r4, r5, r6, r7;
+  std::memcpy(&r0, src + 0 * lds, 32);
+  std::memcpy(&r1, src + 1 * lds, 32);
+  std::memcpy(&r2, src + 2 * lds, 32);
+  std::memcpy(&r3, src + 3 * lds, 32);
+  std::memcpy(&r4, src + 4 * lds, 32);
+  std::memcpy(&r5, src + 5 * lds, 32);
+  std::memcpy(&r6, src + 6 * lds, 32);
+  std::memcpy(&r7, src + 7 * lds, 32);
+  const v8si lo1 = {0, 8, 1, 9, 4, 12, 5, 13}, hi1 = {2, 10, 3, 11, 6, 14, 7, 15};
+  const v8sf t0 = __builtin_shuffle(r0, r1, lo1), t1 = __builtin_shuffle(r0, r1, hi1);
+  const v8sf t2 = __builtin_shuffle(r2, r3, lo1), t3 = __builtin_shuffle(r2, r3, hi1);
+  const v8sf t4 = __builtin_shuffle(r4, r5, lo1), t5 = __builtin_shuffle(r4, r5, hi1);
+  const v8sf t6 = __builtin_shuffle(r6, r7, lo1), t7 = __builtin_shuffle(r6, r7, hi1);
+  const v8si lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const v8sf u0 = __builtin_shuffle(t0, t2, lo2), u1 = __builtin_shuffle(t0, t2, hi2);
+  const v8sf u2 = __builtin_shuffle(t1, t3, lo2), u3 = __builtin_shuffle(t1, t3, hi2);
+  const v8sf u4 = __builtin_shuffle(t4, t6, lo2), u5 = __builtin_shuffle(t4, t6, hi2);
+  const v8sf u6 = __builtin_shuffle(t5, t7, lo2), u7 = __builtin_shuffle(t5, t7, hi2);
+  const v8si lo3 = {0, 1, 2, 3, 8, 9, 10, 11}, hi3 = {4, 5, 6, 7, 12, 13, 14, 15};
+  const v8sf o[8] = {__builtin_shuffle(u0, u4, lo3), __builtin_shuffle(u1, u5, lo3),
+                     __builtin_shuffle(u2, u6, lo3), __builtin_shuffle(u3, u7, lo3),
+                     __builtin_shuffle(u0, u4, hi3), __builtin_shuffle(u1, u5, hi3),
+                     __builtin_shuffle(u2, u6, hi3), __builtin_shuffle(u3, u7, hi3)};
+  for (int c = 0; c < 8; ++c) std::memcpy(dst + c * ldd, &o[c], 32);
+}
+#define KDA_HAVE_TRANSPOSE8 1
+#endif
+
+template <typename D>
+KDA_ALWAYS_INLINE void store_row8(const float* t, D* dst) {
+  if constexpr (std::is_same_v<D, at::BFloat16>) {
+    round_bf16(t, dst, 8);
+  } else {
+    for (int e = 0; e < 8; ++e) dst[e] = D(t[e]);
+  }
+}
+
+}  // namespace vec_detail
+
+// dst[c, r] = D(src[r, c]) for r < rows, c < cols (dst row stride ldd): float sources in 8 x 8
+// tiles through vector shuffles (a bf16 dst gets the values rounded as at::BFloat16 does), the
+// edges and other types element by element.
+template <typename T, typename D>
+KDA_ALWAYS_INLINE void transpose(const T* __restrict src, int64_t rows, int64_t cols, int64_t lds,
+                                 D* __restrict dst, int64_t ldd) {
+  int64_t r8 = 0, c8 = 0;
+#if defined(KDA_HAVE_TRANSPOSE8)
+  if constexpr (std::is_same_v<T, float>) {
+    r8 = rows / 8 * 8;
+    c8 = cols / 8 * 8;
+    for (int64_t r0 = 0; r0 < r8; r0 += 8) {
+      for (int64_t c0 = 0; c0 < c8; c0 += 8) {
+        if constexpr (std::is_same_v<D, float>) {
+          vec_detail::transpose8(src + r0 * lds + c0, lds, dst + c0 * ldd + r0, ldd);
+        } else {
+          float t[64];
+          vec_detail::transpose8(src + r0 * lds + c0, lds, t, 8);
+          for (int c = 0; c < 8; ++c) vec_detail::store_row8(t + 8 * c, dst + (c0 + c) * ldd + r0);
+        }
+      }
+    }
+  }
+#endif
+  // The edges: rows [r8, rows) of every column, then columns [c8, cols) of rows [0, r8).
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t r = (c < c8 ? r8 : 0); r < rows; ++r) dst[c * ldd + r] = D(src[r * lds + c]);
+  }
+}
+
+}  // namespace chunk
+}  // namespace detail
+}  // namespace kda

@@ -81,8 +81,8 @@ def test_low_precision_inputs_within_fla_ratio(dtype, gate):
     assert rel_err(o, o64) <= 2 * rel_err(o_rec, o64) + 1e-6
 
 
-def _strong_decay_problem(kind, seed=31):
-    p = make_problem(B=1, T=140, H=1, HV=2, K=8, V=6, gate="none", seed=seed)
+def _strong_decay_problem(kind, seed=31, K=8, seqlens=None):
+    p = make_problem(B=1, T=140, H=1, HV=2, K=K, V=6, gate="none", seed=seed, seqlens=seqlens)
     g = p.g.clone()
     if kind == "strong":       # per-step decays down to -1e4
         g[:, 10:20] = -1e4
@@ -112,6 +112,23 @@ def test_strong_and_infinite_decays_stay_accurate_in_float32(kind):
     assert rel_err(o, o_or) <= 1e-5 and rel_err(s, s_or) <= 1e-5
     o64, s64 = chunk(p)
     assert rel_err(o64, o_or) <= 1e-11 and rel_err(s64, s_or) <= 1e-11
+
+
+@pytest.mark.parametrize("kind", ["strong", "inf", "strong_then_weak", "block_split", "weak"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_vectorised_direct_form_stays_accurate_in_float32(kind, varlen):
+    # K = 64: float32 diagonal blocks too strong for the factored form take the vectorised
+    # direct form (K a multiple of 32), whose columns stop once their running product is all
+    # zero; varlen adds sequences shorter than a chunk and chunks starting inside a sequence.
+    seqlens = (70, 0, 1, 13, 56) if varlen else None
+    if kind == "weak":
+        p = make_problem(B=1, T=140, H=1, HV=2, K=64, V=6, gate="none", seed=37, seqlens=seqlens)
+    else:
+        p = _strong_decay_problem(kind, seed=37, K=64, seqlens=seqlens)
+    o_or, s_or = oracle_kda(*p.args, **p.kwargs)
+    o, s = chunk(p.to(torch.float32))
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_err(o, o_or) <= 1e-5 and rel_err(s, s_or) <= 1e-5
 
 
 @pytest.mark.parametrize("gate", ["softplus", "bounded"])

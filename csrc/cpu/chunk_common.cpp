@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
-#include <utility>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>
@@ -62,6 +61,13 @@ void gemm_release(Products products) {
 }
 
 namespace {
+
+#if defined(KDA_HAVE_VEC16)
+using vec_detail::v16sf;
+using vec_detail::v16si;
+using vec_detail::hsum16;
+using vec_detail::any16;
+#endif
 
 // x . y and z . y over n channels, in a fixed order (8 partial sums, then a fixed tree): the
 // same bits whatever the thread. Written so the compiler can keep the partial sums in vectors.
@@ -263,11 +269,64 @@ KDA_ALWAYS_INLINE bool factored_block(const ChunkIn<T>& c, ChunkWork<T>& w, int6
   return true;
 }
 
+#if defined(KDA_HAVE_VEC16)
+// direct_block for float and K a multiple of 32 (at most kDirectMaxK): p in 16-lane vectors,
+// two partial sums per product, reduced by a fixed tree. A column stops once p is all zero (its
+// later products are exactly 0; intra_am zeroed the rows): after strong decays most do within a
+// few tokens.
+constexpr int64_t kDirectMaxK = 256;
+KDA_ALWAYS_INLINE void direct_block_vec(const ChunkIn<float>& c, ChunkWork<float>& w, int64_t lo,
+                                        int64_t hi) {
+  const int64_t nv = c.K / 16;
+  const v16sf* k = reinterpret_cast<const v16sf*>(c.k);  // rows of nv vectors (unaligned loads
+  const v16sf* q = reinterpret_cast<const v16sf*>(c.q);  // through the may_alias type)
+  const v16sf* a = reinterpret_cast<const v16sf*>(c.a);
+  v16sf p[kDirectMaxK / 16];
+  for (int64_t j = lo; j < hi; ++j) {
+    v16sf m0 = {}, m1 = {};
+    for (int64_t v = 0; v < nv; ++v) {
+      p[v] = k[j * nv + v];
+      if (v & 1) {
+        m1 += q[j * nv + v] * p[v];
+      } else {
+        m0 += q[j * nv + v] * p[v];
+      }
+    }
+    w.am[(2 * j + 1) * kC + j] = hsum16(m0 + m1);
+    for (int64_t i = j + 1; i < hi; ++i) {
+      v16sf s0 = {}, s1 = {}, t0 = {}, t1 = {};
+      v16si live = {};
+      for (int64_t v = 0; v < nv; v += 2) {
+        p[v] *= a[i * nv + v];
+        p[v + 1] *= a[i * nv + v + 1];
+        // Magnitude bits (integer operations: exactly p != 0, a NaN counting as live).
+        live |= ((v16si)p[v] | (v16si)p[v + 1]) & 0x7FFFFFFF;
+        s0 += k[i * nv + v] * p[v];
+        s1 += k[i * nv + v + 1] * p[v + 1];
+        t0 += q[i * nv + v] * p[v];
+        t1 += q[i * nv + v + 1] * p[v + 1];
+      }
+      w.am[2 * i * kC + j] = hsum16(s0 + s1);
+      w.am[(2 * i + 1) * kC + j] = hsum16(t0 + t1);
+      if (!any16(live)) break;
+    }
+  }
+}
+#endif
+
 // Direct form of the pairs inside [lo, hi): for each column token j a running product over the
 // tokens after it, p = k_j . a_{j+1} ... a_i, gives A0_ij = k_i . p and M_ij = q_i . p.
 template <typename T>
 KDA_ALWAYS_INLINE void direct_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64_t hi) {
   const int64_t K = c.K;
+#if defined(KDA_HAVE_VEC16)
+  if constexpr (std::is_same_v<T, float>) {
+    if (K % 32 == 0 && K <= kDirectMaxK) {
+      direct_block_vec(c, w, lo, hi);
+      return;
+    }
+  }
+#endif
   T* __restrict p = w.w;
   for (int64_t j = lo; j < hi; ++j) {
     const T* kj = c.k + j * K;
@@ -287,24 +346,6 @@ KDA_ALWAYS_INLINE void direct_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_
   }
 }
 
-// A diagonal block [lo, hi) whose factored form failed: halves, the lower-left quadrant as an
-// off-diagonal block (factors <= 1), each half factored if its own decay allows, else split
-// again; two tokens or fewer take the direct form. Multi-versioned itself: being recursive it is
-// not inlined into intra_am, and would otherwise run its loops (and those inlined into it) as
-// baseline x86-64 code.
-template <typename T>
-KDA_CLONES void split_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64_t hi) {
-  if (hi - lo <= 2) {
-    direct_block(c, w, lo, hi);
-    return;
-  }
-  const int64_t mid = lo + (hi - lo) / 2;
-  offdiag_block(c, w, mid, hi, lo);
-  for (const auto& h : {std::make_pair(lo, mid), std::make_pair(mid, hi)}) {
-    if (!factored_block(c, w, h.first, h.second, false)) split_block(c, w, h.first, h.second);
-  }
-}
-
 }  // namespace
 
 template <typename T>
@@ -319,10 +360,11 @@ KDA_CLONES void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
   for (int64_t I = 0; I < nb; ++I) {
     const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub);
     // Row block I: the columns before it and its diagonal block in one GEMM where the block's
-    // decay allows the factored form; else the columns before it, then the block split.
+    // decay allows the factored form; else the columns before it, then the block's pairs in the
+    // direct form.
     if (factored_block(c, w, b0, b1, /*with_left=*/b0 > 0)) continue;
     if (b0 > 0) offdiag_block(c, w, b0, b1, 0);
-    split_block(c, w, b0, b1);
+    direct_block(c, w, b0, b1);
   }
   // na = -beta_i A0_ij (strictly lower).
   for (int64_t i = 0; i < n; ++i) {

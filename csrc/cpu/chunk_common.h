@@ -23,10 +23,9 @@
 // so A0[I, :b0] = (K_I . Rf) (K_{<b0} . Cf)^T is one GEMM with both factors <= 1. A diagonal
 // block joins that GEMM with the columns k_j / Rf_j (exp(G_i - G_j) = Rf_i / Rf_j) when the
 // block's total decay keeps 1 / Rf_j <= e^60 on every channel (finite, never subnormal: the
-// "provably safe" case). A block with a stronger decay is split in halves: the lower-left
-// quadrant is an off-diagonal block (factors <= 1, reference = the last token of the first
-// half), each half is factored if its own decay allows, else split again; blocks of <= 2
-// tokens take the direct form, a running product p = k_j . a_{j+1} ... a_i.
+// "provably safe" case). A block with a stronger decay takes the direct form, a running product
+// p = k_j . a_{j+1} ... a_i per column (vectorised across the channels; a column stops once p is
+// all zero, its later products being exactly 0).
 #pragma once
 
 #include <cstdint>
@@ -46,7 +45,7 @@ constexpr int64_t kSub = 16;
 // Smallest product of a diagonal block's decays for which that block's own pairs take the
 // factored form, in the forward and the backward alike (docs/math.md, "Chunkwise form"): the
 // column factors 1 / Rf_j are then at most e^60 (float) / e^600 (double), finite with room to
-// spare for sums of K products, and no factor is subnormal. Stronger blocks are split.
+// spare for sums of K products, and no factor is subnormal. Stronger blocks take the direct form.
 template <typename T>
 constexpr T kMinBlockDecay = T(8.75651076e-27);  // e^-60
 template <>

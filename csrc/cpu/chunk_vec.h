@@ -83,6 +83,28 @@ KDA_ALWAYS_INLINE void transpose8(const float* __restrict src, int64_t lds, floa
   for (int c = 0; c < 8; ++c) std::memcpy(dst + c * ldd, &o[c], 32);
 }
 #define KDA_HAVE_TRANSPOSE8 1
+
+// 16 floats (one AVX-512 register; two or four narrower ones in the other clones), unaligned and
+// may alias the float rows they are read from.
+typedef float v16sf __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int v16si __attribute__((vector_size(64)));
+
+// The sum of the 16 lanes by a fixed tree (halves, quarters, ...): the same bits on every clone.
+KDA_ALWAYS_INLINE float hsum16(v16sf x) {
+  x += __builtin_shuffle(x, v16si{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  x += __builtin_shuffle(x, v16si{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  x += __builtin_shuffle(x, v16si{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  return x[0] + x[1];
+}
+
+// Whether any bit of any lane is set (an OR tree as hsum16's).
+KDA_ALWAYS_INLINE bool any16(v16si m) {
+  m |= __builtin_shuffle(m, v16si{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  m |= __builtin_shuffle(m, v16si{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  m |= __builtin_shuffle(m, v16si{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  return (m[0] | m[1]) != 0;
+}
+#define KDA_HAVE_VEC16 1
 #endif
 
 template <typename D>

@@ -26,14 +26,19 @@ import time
 import torch
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every A/B script of two libkda.so builds takes (also benchmarks/ab_chunk_fwd.py)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("lib")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--reps", type=int, default=3)
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = build_parser(__doc__.split("\n\n")[0]).parse_args()
     torch.ops.load_library(a.lib)
     torch.set_num_threads(a.threads)
     H, T, K = a.heads, a.seq_len, 128

@@ -143,9 +143,13 @@ def test_saturated_in_op_gate(gate):
     assert rel_err(o, o_or) <= 1e-5 and rel_err(s, s_or) <= 1e-5
 
 
-def test_bitwise_identical_for_one_two_three_threads():
-    p = make_problem(B=1, T=200, H=1, HV=3, K=33, V=70, gate="softplus", seed=9,
+@pytest.mark.parametrize("K,A_log", [(33, None), (64, 2.5)])
+def test_bitwise_identical_for_one_two_three_threads(K, A_log):
+    # K = 64 with exp(A_log) ~ 12: diagonal blocks in the vectorised direct form too.
+    p = make_problem(B=1, T=200, H=1, HV=3, K=K, V=70, gate="softplus", seed=9,
                      seqlens=(130, 5, 65)).to(torch.float32)
+    if A_log is not None:
+        p.kwargs["A_log"] = torch.full_like(p.kwargs["A_log"], A_log)
     results = per_thread_count(lambda: torch.ops.kda.chunk_fwd(*op_args(p)))
     for other in results[1:]:
         for a, b in zip(results[0], other):

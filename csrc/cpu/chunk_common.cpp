@@ -118,7 +118,6 @@ ChunkWork<T>::ChunkWork(Carver& c, int64_t K, int64_t V) {
   x = c.take<T>(kC * (K + V));
   rhs = c.take<T>(kSub * (K + V));
   dinv = c.take<T>(kC * kSub);
-  o = c.take<T>(kC * V);
   lq = c.take<T>(2 * kSub * K);
   kr = c.take<T>(kC * K);
   w = c.take<T>(K);
@@ -138,10 +137,28 @@ void bind_results(ChunkWork<T>& w, Carver& store, int64_t K, int64_t V, bool bf1
   }
 }
 
-// Rows [first, last] of kr: k_j . a_{j+1} ... a_last (keys decayed to token last, a running
-// product walked backwards; every factor <= 1). Inlined into the multi-versioned callers.
+// Whether any of x[0, n) is nonzero (a NaN counts), from the magnitude bits: integer
+// operations the compiler vectorises.
 template <typename T>
-KDA_ALWAYS_INLINE void keys_decayed_to(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t first, int64_t last) {
+KDA_ALWAYS_INLINE bool any_nonzero(const T* __restrict x, int64_t n) {
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  constexpr U kMag = ~(U(1) << (8 * sizeof(T) - 1));
+  U r = 0;
+  for (int64_t d = 0; d < n; ++d) {
+    U u;
+    std::memcpy(&u, x + d, sizeof(u));
+    r |= u & kMag;
+  }
+  return r != 0;
+}
+
+// Rows [first, last] of kr: k_j . a_{j+1} ... a_last (keys decayed to token last, a running
+// product walked backwards; every factor <= 1). With stop_at_zero the walk ends once the running
+// product is all zero: the rows before are then exactly zero and are not written. Returns the
+// first row written. Inlined into the multi-versioned callers.
+template <typename T>
+KDA_ALWAYS_INLINE int64_t keys_decayed_to(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t first,
+                                          int64_t last, bool stop_at_zero = false) {
   const int64_t K = c.K;
   T* __restrict run = w.w;
   for (int64_t d = 0; d < K; ++d) run[d] = T(1);
@@ -154,7 +171,9 @@ KDA_ALWAYS_INLINE void keys_decayed_to(const ChunkIn<T>& c, ChunkWork<T>& w, int
       kr[d] = k[d] * run[d];
       run[d] *= a[d];
     }
+    if (stop_at_zero && !any_nonzero(run, K)) return j;
   }
+  return first;
 }
 
 template <typename T>
@@ -216,9 +235,11 @@ KDA_ALWAYS_INLINE void offdiag_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64
       lqq[d] = q[d] * run[d];
     }
   }
-  keys_decayed_to(c, w, c0, r0 - 1);
-  transpose(w.kr + c0 * K, r0 - c0, K, K, w.krT, kC);
-  gemm(2 * (r1 - r0), r0 - c0, K, w.lq, K, w.krT, kC, w.am + 2 * r0 * kC + c0, kC, false);
+  // Columns whose factor is exactly zero (after strong decays, all but the last few) keep the
+  // zeros intra_am wrote: the product would give exactly 0 there.
+  const int64_t c1 = keys_decayed_to(c, w, c0, r0 - 1, /*stop_at_zero=*/true);
+  transpose(w.kr + c1 * K, r0 - c1, K, K, w.krT, kC);
+  gemm(2 * (r1 - r0), r0 - c1, K, w.lq, K, w.krT, kC, w.am + 2 * r0 * kC + c1, kC, false);
 }
 
 // The causal pairs j <= i inside [lo, hi) (a diagonal block or part of one) in factored form,
@@ -425,7 +446,8 @@ namespace {
 // it, Vn once for the two that read it; -W and M rounded from the solve's / intra_am's fp32
 // results, q . Gam and Kdec^T already bf16 (decay_factors). Columns and rows past n up to a
 // multiple of kSub are zero in both operands of the products over the chunk's tokens.
-KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, float* S) {
+KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, float* S,
+                                float* o, int64_t ldo) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
   const int64_t ncol = (n + kSub - 1) / kSub * kSub;
   const ProductWork& p = w.prod;
@@ -437,10 +459,10 @@ KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, fl
   pack_b(p, K, V, K, S, V, p.s);
   // Vn = U + (-W) S;  o = (Q . Gam) S
   gemm16(p, n, V, K, p.nw, K, p.s, vn, ld, /*add=*/true);
-  gemm16(p, n, V, K, p.qg, K, p.s, w.o, V, /*add=*/false);
+  gemm16(p, n, V, K, p.qg, K, p.s, o, ldo, /*add=*/false);
   pack_b(p, ncol, V, n, vn, ld, p.vn);
   // o += M Vn (M is zero above the diagonal: one product over all columns)
-  gemm16(p, n, V, ncol, p.m, kC, p.vn, w.o, V, /*add=*/true);
+  gemm16(p, n, V, ncol, p.m, kC, p.vn, o, ldo, /*add=*/true);
   // S <- Diag(Gam_last) S + Kdec^T Vn
   const float* gl = w.gam + (n - 1) * K;
   for (int64_t d = 0; d < K; ++d) {
@@ -455,10 +477,10 @@ KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, fl
 }  // namespace
 
 template <typename T>
-KDA_CLONES void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S) {
+KDA_CLONES void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S, T* o, int64_t ldo) {
   if constexpr (std::is_same_v<T, float>) {
     if (w.prod.mode != Products::kNative) {
-      state_step_bf16(c, w, S);
+      state_step_bf16(c, w, S, o, ldo);
       return;
     }
   }
@@ -467,11 +489,11 @@ KDA_CLONES void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S) {
   // Vn = U + (-W) S
   gemm(n, V, K, w.x, ld, S, V, vn, ld, /*add=*/true);
   // o = (Q . Gam) S + M Vn; M is lower triangular: row block I reads columns [0, b1).
-  gemm(n, V, K, w.qg, K, S, V, w.o, V, /*add=*/false);
+  gemm(n, V, K, w.qg, K, S, V, o, ldo, /*add=*/false);
   const int64_t nb = (n + kSub - 1) / kSub;
   for (int64_t I = 0; I < nb; ++I) {
     const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub);
-    gemm(b1 - b0, V, b1, w.am + (2 * b0 + 1) * kC, 2 * kC, vn, ld, w.o + b0 * V, V, true);
+    gemm(b1 - b0, V, b1, w.am + (2 * b0 + 1) * kC, 2 * kC, vn, ld, o + b0 * ldo, ldo, true);
   }
   // S <- Diag(Gam_last) S + Kdec^T Vn
   const T* gl = w.gam + (n - 1) * K;
@@ -491,7 +513,7 @@ KDA_CLONES void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S) {
   template void intra_am<T>(const ChunkIn<T>&, ChunkWork<T>&);           \
   template void solve_wu<T>(const ChunkIn<T>&, ChunkWork<T>&);           \
   template void chunk_intra<T>(const ChunkIn<T>&, ChunkWork<T>&);        \
-  template void state_step<T>(const ChunkIn<T>&, ChunkWork<T>&, T*);
+  template void state_step<T>(const ChunkIn<T>&, ChunkWork<T>&, T*, T*, int64_t);
 KDA_CHUNK_INSTANTIATE(float)
 KDA_CHUNK_INSTANTIATE(double)
 #undef KDA_CHUNK_INSTANTIATE

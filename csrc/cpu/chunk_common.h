@@ -103,7 +103,7 @@ struct ChunkIn {
   int64_t ldv = 0;
 };
 
-// Workspace of one chunk (one per thread, reused by every chunk; ~360 KB at K = V = 128 in
+// Workspace of one chunk (one per thread, reused by every chunk; ~320 KB at K = V = 128 in
 // float). Layouts (row-major; rows past n are not read):
 //   gam   [kC, K]        Gam_i = prod_{t<=i} a_t                        (Gam_last = row n-1)
 //   qg    [kC, K]        q_i . Gam_i
@@ -116,7 +116,6 @@ struct ChunkIn {
 //   rhs   [kSub, K + V]  (solve) one row block of [-diag(beta) (Gam . K) | diag(beta) V], then
 //                        R_I - A[I, :b0] X[:b0]
 //   dinv  [kC / kSub, kSub, kSub]  (I + A_II)^-1 of each diagonal block II
-//   o     [kC, V]        the chunk's output rows
 //   lq    [2 kSub, K]    row / column factors of one off-diagonal block (scratch)
 //   kr    [kC, K]        (scratch: factor rows before their transposition)
 //   krT   [K, kC]        (scratch)
@@ -125,7 +124,7 @@ struct ChunkIn {
 // q . Gam and Kdec^T as bf16 operands into prod (qg and kdecT above are then not written).
 template <typename T>
 struct ChunkWork {
-  T *gam, *qg, *kdecT, *am, *na, *x, *rhs, *dinv, *o, *lq, *kr, *krT, *w;
+  T *gam, *qg, *kdecT, *am, *na, *x, *rhs, *dinv, *lq, *kr, *krT, *w;
   ProductWork prod;
   // Takes its parts from c (carver.h).
   ChunkWork(Carver& c, int64_t K, int64_t V);
@@ -158,11 +157,12 @@ template <typename T>
 void chunk_intra(const ChunkIn<T>& c, ChunkWork<T>& w);
 
 // With S [K, V] (row stride V) the state entering the chunk (after chunk_intra):
-//   x's U part becomes Vn = U - W S, o = (Q . Gam) S + M Vn, and S becomes the state leaving
-//   the chunk, Diag(Gam_last) S + Kdec^T Vn. The four products run in the precision of
-//   w.prod.mode (chunk_products.h); S and Vn stay in T.
+//   x's U part becomes Vn = U - W S, the chunk's output rows o [n, V] (row stride ldo: written
+//   by the products straight into the caller's output) become (Q . Gam) S + M Vn, and S becomes
+//   the state leaving the chunk, Diag(Gam_last) S + Kdec^T Vn. The four products run in the
+//   precision of w.prod.mode (chunk_products.h); S and Vn stay in T.
 template <typename T>
-void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S);
+void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S, T* o, int64_t ldo);
 
 }  // namespace chunk
 }  // namespace detail

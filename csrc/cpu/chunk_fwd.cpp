@@ -159,12 +159,8 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
             }
             chunk::ChunkWork<T> w = workspace(i);
             const chunk::ChunkIn<T> ci = chunk_in(n, hv, k);
-            chunk::state_step(ci, w, S);
             const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
-            T* out = A.o + ((t0 - vsh) * HV + hv) * V;
-            for (int64_t r = 0; r < ci.n; ++r) {
-              std::memcpy(out + r * HV * V, w.o + r * V, sizeof(T) * V);
-            }
+            chunk::state_step(ci, w, S, A.o + ((t0 - vsh) * HV + hv) * V, HV * V);
           }
           chunk::gemm_release(products);
         });

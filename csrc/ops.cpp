@@ -59,136 +59,164 @@ bool is_float_dtype(at::ScalarType t) {
   return t == at::kDouble || t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
-void check_float(const char* op, const at::Tensor& t, const char* name) {
-  KDA_CHECK_TYPE(is_float_dtype(t.scalar_type()), op, name,
-              " must be a floating tensor (float64, float32, bfloat16 or float16), got dtype ",
-              t.scalar_type());
+// The argument checks run in one of two modes. Raising (probe = false, every op): a failed rule
+// throws the c10 error with the op's words. Probing (probe = true, kda::_fused_recurrent_fast, the
+// functional API's one-call path): a failed rule makes the check return false, with no message
+// built and nothing thrown; the Python checks then run and raise with their own words
+// (docs/bad_inputs.md). One set of rules for both. Used inside functions returning bool with a
+// `probe` in scope.
+#define KDA_RULE(KIND, cond, ...)              \
+  do {                                         \
+    if (C10_UNLIKELY(!(cond))) {               \
+      if (probe) return false;                 \
+      KDA_CHECK_##KIND(false, __VA_ARGS__);  \
+    }                                          \
+  } while (0)
+
+bool check_float(const char* op, const at::Tensor& t, const char* name, bool probe = false) {
+  KDA_RULE(TYPE, is_float_dtype(t.scalar_type()), op, name,
+           " must be a floating tensor (float64, float32, bfloat16 or float16), got dtype ",
+           t.scalar_type());
+  return true;
 }
 
-void check_device(const char* op, const at::Tensor& t, const char* name, const at::Tensor& q) {
-  KDA_CHECK_VALUE(t.device() == q.device(), op, name, " must be on the device of q (", q.device(),
-              "), got ", t.device());
+bool check_device(const char* op, const at::Tensor& t, const char* name, const at::Tensor& q,
+                  bool probe = false) {
+  KDA_RULE(VALUE, t.device() == q.device(), op, name, " must be on the device of q (", q.device(),
+           "), got ", t.device());
+  return true;
 }
 
-void check_shape(const char* op, const at::Tensor& t, const char* name, at::IntArrayRef expected,
-                 const char* what) {
-  KDA_CHECK_VALUE(t.sizes() == expected, op, name, " must have shape ", shape_str(expected), " ", what,
-              ", got ", shape_str(t.sizes()));
+bool check_shape(const char* op, const at::Tensor& t, const char* name, at::IntArrayRef expected,
+                 const char* what, bool probe = false) {
+  KDA_RULE(VALUE, t.sizes() == expected, op, name, " must have shape ", shape_str(expected), " ",
+           what, ", got ", shape_str(t.sizes()));
+  return true;
 }
 
 }  // namespace
 
-Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
+bool check_inputs(const Inputs& in, const Config& cfg, bool check_values, bool probe, Dims& d) {
   const at::Tensor& q = in.q;
   const char* op = cfg.op;
-  KDA_CHECK_TYPE(q.defined() && in.k.defined() && in.v.defined() && in.g.defined() &&
-                  in.beta.defined(),
-              op, "q, k, v, g and beta must be defined tensors");
-  KDA_CHECK_VALUE(q.dim() == 4, op, "q must be 4-D [B, T, H, K], got shape ", shape_str(q.sizes()));
-  KDA_CHECK_TYPE(q.scalar_type() == at::kDouble || q.scalar_type() == at::kFloat ||
-                  q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
-              op, "q must be float64, float32, bfloat16 or float16, got dtype ", q.scalar_type());
-  KDA_CHECK_TYPE(in.k.scalar_type() == q.scalar_type(), op, "k must have the dtype of q (",
-              q.scalar_type(), "), got ", in.k.scalar_type());
-  KDA_CHECK_TYPE(in.v.scalar_type() == q.scalar_type(), op, "v must have the dtype of q (",
-              q.scalar_type(), "), got ", in.v.scalar_type());
-  check_float(op, in.g, "g");
-  check_float(op, in.beta, "beta");
+  KDA_RULE(TYPE, q.defined() && in.k.defined() && in.v.defined() && in.g.defined() &&
+                     in.beta.defined(),
+           op, "q, k, v, g and beta must be defined tensors");
+  KDA_RULE(VALUE, q.dim() == 4, op, "q must be 4-D [B, T, H, K], got shape ", shape_str(q.sizes()));
+  KDA_RULE(TYPE, is_float_dtype(q.scalar_type()), op,
+           "q must be float64, float32, bfloat16 or float16, got dtype ", q.scalar_type());
+  KDA_RULE(TYPE, in.k.scalar_type() == q.scalar_type(), op, "k must have the dtype of q (",
+           q.scalar_type(), "), got ", in.k.scalar_type());
+  KDA_RULE(TYPE, in.v.scalar_type() == q.scalar_type(), op, "v must have the dtype of q (",
+           q.scalar_type(), "), got ", in.v.scalar_type());
+  if (!check_float(op, in.g, "g", probe) || !check_float(op, in.beta, "beta", probe)) return false;
 
-  Dims d;
+  d = Dims();
   d.B = q.size(0);
   d.T = q.size(1);
   d.H = q.size(2);
   d.K = q.size(3);
-  KDA_CHECK_VALUE(d.H > 0, op, "q must have at least one head (H = q.size(2) > 0), got H = ", d.H);
-  KDA_CHECK_VALUE(d.K > 0, op, "the key dimension K = q.size(3) must be > 0, got ", d.K);
-  check_shape(op, in.k, "k", q.sizes(), "(the shape of q, [B, T, H, K])");
-  KDA_CHECK_VALUE(in.v.dim() == 4, op, "v must be 4-D [B, T, HV, V], got shape ", shape_str(in.v.sizes()));
-  KDA_CHECK_VALUE(in.v.size(0) == d.B && in.v.size(1) == d.T, op,
-              "v must have shape [B, T, HV, V] with B = ", d.B, " and T = ", d.T,
-              " (from q), got ", shape_str(in.v.sizes()));
+  KDA_RULE(VALUE, d.H > 0, op, "q must have at least one head (H = q.size(2) > 0), got H = ", d.H);
+  KDA_RULE(VALUE, d.K > 0, op, "the key dimension K = q.size(3) must be > 0, got ", d.K);
+  if (!check_shape(op, in.k, "k", q.sizes(), "(the shape of q, [B, T, H, K])", probe)) return false;
+  KDA_RULE(VALUE, in.v.dim() == 4, op, "v must be 4-D [B, T, HV, V], got shape ",
+           shape_str(in.v.sizes()));
+  KDA_RULE(VALUE, in.v.size(0) == d.B && in.v.size(1) == d.T, op,
+           "v must have shape [B, T, HV, V] with B = ", d.B, " and T = ", d.T, " (from q), got ",
+           shape_str(in.v.sizes()));
   d.HV = in.v.size(2);
   d.V = in.v.size(3);
-  KDA_CHECK_VALUE(d.HV > 0 && d.HV % d.H == 0, op,
-              "the number of value heads HV = v.size(2) must be a positive multiple of the "
-              "number of q/k heads H = ",
-              d.H, ", got HV = ", d.HV);
-  KDA_CHECK_VALUE(d.V > 0, op, "the value dimension V = v.size(3) must be > 0, got ", d.V);
-  check_shape(op, in.g, "g", {d.B, d.T, d.HV, d.K}, "[B, T, HV, K]");
-  check_shape(op, in.beta, "beta", {d.B, d.T, d.HV}, "[B, T, HV]");
-  check_device(op, in.k, "k", q);
-  check_device(op, in.v, "v", q);
-  check_device(op, in.g, "g", q);
-  check_device(op, in.beta, "beta", q);
+  KDA_RULE(VALUE, d.HV > 0 && d.HV % d.H == 0, op,
+           "the number of value heads HV = v.size(2) must be a positive multiple of the "
+           "number of q/k heads H = ",
+           d.H, ", got HV = ", d.HV);
+  KDA_RULE(VALUE, d.V > 0, op, "the value dimension V = v.size(3) must be > 0, got ", d.V);
+  if (!check_shape(op, in.g, "g", {d.B, d.T, d.HV, d.K}, "[B, T, HV, K]", probe) ||
+      !check_shape(op, in.beta, "beta", {d.B, d.T, d.HV}, "[B, T, HV]", probe) ||
+      !check_device(op, in.k, "k", q, probe) || !check_device(op, in.v, "v", q, probe) ||
+      !check_device(op, in.g, "g", q, probe) || !check_device(op, in.beta, "beta", q, probe)) {
+    return false;
+  }
 
-  KDA_CHECK_VALUE(std::isfinite(cfg.scale), op, "scale must be finite, got ", cfg.scale);
-  KDA_CHECK_VALUE(!cfg.allow_neg_eigval || cfg.use_beta_sigmoid_in_kernel, op,
-              "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True");
-  KDA_CHECK_VALUE(cfg.use_gate_in_kernel || (!in.A_log && !in.dt_bias), op,
-              "A_log and dt_bias are only used with use_gate_in_kernel=True, got "
-              "use_gate_in_kernel=False with A_log ", in.A_log ? "set" : "None", " and dt_bias ",
-              in.dt_bias ? "set" : "None");
+  KDA_RULE(VALUE, std::isfinite(cfg.scale), op, "scale must be finite, got ", cfg.scale);
+  KDA_RULE(VALUE, !cfg.allow_neg_eigval || cfg.use_beta_sigmoid_in_kernel, op,
+           "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True");
+  KDA_RULE(VALUE, cfg.use_gate_in_kernel || (!in.A_log && !in.dt_bias), op,
+           "A_log and dt_bias are only used with use_gate_in_kernel=True, got "
+           "use_gate_in_kernel=False with A_log ", in.A_log ? "set" : "None", " and dt_bias ",
+           in.dt_bias ? "set" : "None");
   if (cfg.use_gate_in_kernel) {
     if (cfg.lower_bound) {
-      KDA_CHECK_VALUE(std::isfinite(*cfg.lower_bound) && *cfg.lower_bound < 0.0, op,
-                  "lower_bound must be a finite negative number, got ", *cfg.lower_bound);
+      KDA_RULE(VALUE, std::isfinite(*cfg.lower_bound) && *cfg.lower_bound < 0.0, op,
+               "lower_bound must be a finite negative number, got ", *cfg.lower_bound);
     } else {
-      KDA_CHECK_VALUE(in.A_log.has_value(), op,
-                  "use_gate_in_kernel=True without lower_bound (softplus gate) requires A_log, "
-                  "got None");
+      KDA_RULE(VALUE, in.A_log.has_value(), op,
+               "use_gate_in_kernel=True without lower_bound (softplus gate) requires A_log, "
+               "got None");
     }
   }
   if (in.A_log) {
-    check_float(op, *in.A_log, "A_log");
-    check_device(op, *in.A_log, "A_log", q);
-    KDA_CHECK_VALUE(in.A_log->dim() == 1 && in.A_log->size(0) == d.HV, op,
-                "A_log must have shape [HV] = [", d.HV, "], got ", shape_str(in.A_log->sizes()));
+    if (!check_float(op, *in.A_log, "A_log", probe) ||
+        !check_device(op, *in.A_log, "A_log", q, probe)) {
+      return false;
+    }
+    KDA_RULE(VALUE, in.A_log->dim() == 1 && in.A_log->size(0) == d.HV, op,
+             "A_log must have shape [HV] = [", d.HV, "], got ", shape_str(in.A_log->sizes()));
   }
   if (in.dt_bias) {
-    check_float(op, *in.dt_bias, "dt_bias");
-    check_device(op, *in.dt_bias, "dt_bias", q);
     const auto& b = *in.dt_bias;
-    KDA_CHECK_VALUE((b.dim() == 1 && b.size(0) == d.HV * d.K) ||
-                    (b.dim() == 2 && b.size(0) == d.HV && b.size(1) == d.K),
-                op, "dt_bias must have shape [HV * K] = [", d.HV * d.K, "] or [HV, K] = [", d.HV,
-                ", ", d.K, "], got ", shape_str(b.sizes()));
+    if (!check_float(op, b, "dt_bias", probe) || !check_device(op, b, "dt_bias", q, probe)) {
+      return false;
+    }
+    KDA_RULE(VALUE, (b.dim() == 1 && b.size(0) == d.HV * d.K) ||
+                        (b.dim() == 2 && b.size(0) == d.HV && b.size(1) == d.K),
+             op, "dt_bias must have shape [HV * K] = [", d.HV * d.K, "] or [HV, K] = [", d.HV,
+             ", ", d.K, "], got ", shape_str(b.sizes()));
   }
 
   if (in.cu_seqlens) {
     const auto& cu = *in.cu_seqlens;
-    KDA_CHECK_TYPE(cu.scalar_type() == at::kLong || cu.scalar_type() == at::kInt, op,
-                "cu_seqlens must be int64 or int32, got dtype ", cu.scalar_type());
-    KDA_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, op,
-                "cu_seqlens must be 1-D [N + 1] with N >= 0, got shape ", shape_str(cu.sizes()));
-    KDA_CHECK_VALUE(d.B == 1, op, "with cu_seqlens the batch size must be 1, got B = ", d.B);
+    KDA_RULE(TYPE, cu.scalar_type() == at::kLong || cu.scalar_type() == at::kInt, op,
+             "cu_seqlens must be int64 or int32, got dtype ", cu.scalar_type());
+    KDA_RULE(VALUE, cu.dim() == 1 && cu.size(0) >= 1, op,
+             "cu_seqlens must be 1-D [N + 1] with N >= 0, got shape ", shape_str(cu.sizes()));
+    KDA_RULE(VALUE, d.B == 1, op, "with cu_seqlens the batch size must be 1, got B = ", d.B);
     d.varlen = true;
     d.N = cu.size(0) - 1;
     if (check_values) {
-      KDA_CHECK_VALUE(cu.device().is_cpu(), op, "cu_seqlens must be a CPU tensor, got ",
-                  cu.device());
+      KDA_RULE(VALUE, cu.device().is_cpu(), op, "cu_seqlens must be a CPU tensor, got ",
+               cu.device());
       const auto c = cu.to(at::kLong).contiguous();
       const int64_t* p = c.data_ptr<int64_t>();
-      KDA_CHECK_VALUE(p[0] == 0, op, "cu_seqlens[0] must be 0, got ", p[0]);
+      KDA_RULE(VALUE, p[0] == 0, op, "cu_seqlens[0] must be 0, got ", p[0]);
       for (int64_t i = 0; i < d.N; ++i) {
-        KDA_CHECK_VALUE(p[i + 1] >= p[i], op, "cu_seqlens must be non-decreasing, got cu_seqlens[",
-                    i, "] = ", p[i], " > cu_seqlens[", i + 1, "] = ", p[i + 1]);
+        KDA_RULE(VALUE, p[i + 1] >= p[i], op, "cu_seqlens must be non-decreasing, got cu_seqlens[",
+                 i, "] = ", p[i], " > cu_seqlens[", i + 1, "] = ", p[i + 1]);
       }
-      KDA_CHECK_VALUE(p[d.N] == d.T, op, "cu_seqlens[-1] must equal T = ", d.T, ", got ", p[d.N]);
+      KDA_RULE(VALUE, p[d.N] == d.T, op, "cu_seqlens[-1] must equal T = ", d.T, ", got ", p[d.N]);
     }
   } else {
     d.N = d.B;
   }
   if (in.initial_state) {
     const auto& s = *in.initial_state;
-    check_float(op, s, "initial_state");
-    check_device(op, s, "initial_state", q);
-    if (cfg.state_v_first) {
-      check_shape(op, s, "initial_state", {d.N, d.HV, d.V, d.K}, "[N, HV, V, K] (state_v_first)");
-    } else {
-      check_shape(op, s, "initial_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]");
+    if (!check_float(op, s, "initial_state", probe) ||
+        !check_device(op, s, "initial_state", q, probe)) {
+      return false;
     }
+    const bool shape_ok =
+        cfg.state_v_first
+            ? check_shape(op, s, "initial_state", {d.N, d.HV, d.V, d.K}, "[N, HV, V, K] (state_v_first)", probe)
+            : check_shape(op, s, "initial_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]", probe);
+    if (!shape_ok) return false;
   }
   d.n_slots = d.B * ((d.T + kernels::kChunk - 1) / kernels::kChunk);
+  return true;
+}
+
+Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values) {
+  Dims d;
+  check_inputs(in, cfg, check_values, /*probe=*/false, d);
   return d;
 }
 
@@ -605,6 +633,42 @@ std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_checked(KDA_OP_ARGS)
     first = first_unstable_write(k, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval ? 2.0 : 1.0);
   }
   return {std::get<0>(r), std::get<1>(r), first};
+}
+
+// kda::_fused_recurrent_fast: the functional API's plain call (torch_kda.fused_recurrent_kda with
+// no serving argument, CPU tensors) in one Python -> C++ call: the checks of check_kda_inputs
+// (src/torch_kda/_checks.py), probed here without raising, then kda::_fused_recurrent_checked.
+// `scale` None means K ** -0.5, computed as Python computes it (pow). Returns (o, final_state,
+// status): status kRefused when a rule failed (undefined tensors; nothing ran, and the Python
+// checks then raise with their words), else the place of the unstable-write warning (-1: none).
+// A decode step's Python layer shrinks to a few attribute tests (docs/benchmarks.md "Decode: the
+// Python layer, fifth round").
+constexpr int64_t kRefused = -2;
+
+std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_fast(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, std::optional<double> scale,
+    const std::optional<at::Tensor>& initial_state, bool use_qk_l2norm_in_kernel,
+    bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
+    std::optional<double> lower_bound, bool state_v_first,
+    const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& A_log,
+    const std::optional<at::Tensor>& dt_bias) {
+  const std::tuple<at::Tensor, at::Tensor, int64_t> refused{at::Tensor(), at::Tensor(), kRefused};
+  const Inputs in = make_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias);
+  const Config cfg = make_config(kRec, scale.value_or(1.0), use_qk_l2norm_in_kernel,
+                                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                                 lower_bound, state_v_first);
+  Dims d;
+  if (!check_inputs(in, cfg, /*check_values=*/true, /*probe=*/true, d) || !q.is_cpu()) {
+    return refused;
+  }
+  // Python's one rule beyond the op's: a lower_bound is a finite negative number even without the
+  // in-op gate (where it is only a promise, see fused_recurrent_kda).
+  if (lower_bound && !(std::isfinite(*lower_bound) && *lower_bound < 0.0)) return refused;
+  const double s = scale ? *scale : std::pow(static_cast<double>(d.K), -0.5);
+  return fused_recurrent_checked(q, k, v, g, beta, s, initial_state, use_qk_l2norm_in_kernel,
+                                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                                 lower_bound, state_v_first, cu_seqlens, A_log, dt_bias);
 }
 
 Grads bwd_autograd(const at::Tensor& grad_o,
@@ -1037,6 +1101,12 @@ TORCH_LIBRARY(kda, m) {
   m.def("fused_recurrent(" KDA_SCHEMA_ARGS ") -> (Tensor o, Tensor final_state)");
   m.def("_fused_recurrent_checked(" KDA_SCHEMA_ARGS
         ") -> (Tensor o, Tensor final_state, int first_unstable)");
+  m.def("_fused_recurrent_fast(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+        "float? scale, Tensor? initial_state=None, bool use_qk_l2norm_in_kernel=False, "
+        "bool use_gate_in_kernel=False, bool use_beta_sigmoid_in_kernel=False, "
+        "bool allow_neg_eigval=False, float? lower_bound=None, bool state_v_first=False, "
+        "Tensor? cu_seqlens=None, Tensor? A_log=None, Tensor? dt_bias=None) "
+        "-> (Tensor o, Tensor final_state, int status)");
   m.def("fused_recurrent_fwd(" KDA_SCHEMA_ARGS
         ") -> (Tensor o, Tensor final_state, Tensor checkpoints)");
   // Serving (docs/serving.md): writes o into `out`, final states into the pool (in place) or into
@@ -1086,6 +1156,7 @@ TORCH_LIBRARY_IMPL(kda, Meta, m) {
 
 TORCH_LIBRARY_IMPL(kda, CompositeImplicitAutograd, m) {
   m.impl("_fused_recurrent_checked", &kda::detail::fused_recurrent_checked);
+  m.impl("_fused_recurrent_fast", &kda::detail::fused_recurrent_fast);
 }
 
 TORCH_LIBRARY_IMPL(kda, Autograd, m) {

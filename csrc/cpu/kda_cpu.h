@@ -50,6 +50,9 @@ struct Dims {
 // Validates everything the kernels index with (ops.cpp). With check_values, also reads
 // cu_seqlens (CPU kernels; the Meta kernels cannot).
 Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values);
+// The same rules; with probe, a failed rule returns false instead of raising (no message is built).
+// Fills d when it returns true.
+bool check_inputs(const Inputs& in, const Config& cfg, bool check_values, bool probe, Dims& d);
 
 // Dtype of the arithmetic and of the state: fp64 for fp64 q, else fp32.
 inline at::ScalarType compute_dtype(const at::Tensor& q) {

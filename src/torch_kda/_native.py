@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch import Tensor
 
-from ._checks import KDAInputs, ServingArgs, warn_unstable_writes
+from ._checks import KDAInputs, ServingArgs, check_kda_inputs, warn_unstable_writes
 from ._pool import gather_states, scatter_states, sequences
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -120,6 +121,54 @@ def fused_recurrent(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]
     if first >= 0:
         warn_unstable_writes(x, first)
     return o, (final_state if x.output_final_state else None)
+
+
+# kda::_fused_recurrent_fast's status when its probe of the arguments failed (csrc/ops.cpp)
+_REFUSED = -2
+
+
+def fused_recurrent_fast(q, k, v, g, beta, scale, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                         allow_neg_eigval, lower_bound, state_v_first, A_log, dt_bias):
+    """``fused_recurrent_kda``'s plain call (no serving argument, no ``cu_seqlens``) on CPU tensors
+    in one Python -> C++ call, or None where the caller must run its checks (and then raise, or
+    pick another backend).
+
+    ``kda::_fused_recurrent_fast`` (csrc/ops.cpp) probes the rules of
+    :func:`~torch_kda._checks.check_kda_inputs` in C++ without raising (the op's own checks, in
+    their probing mode, plus Python's rule for ``lower_bound``) and, where they hold, runs
+    ``kda::_fused_recurrent_checked``. What C++ cannot see is tested here: the Python types of the
+    arguments (the op's argument parser takes a bool or a tensor for a float, an int for a bool,
+    where the checks raise or convert). So every call this refuses gets the checks' exact errors;
+    every call it runs returns what the checked path returns (the same op). A decode step's Python
+    cost: docs/benchmarks.md "Decode: the Python layer, fifth round". Not under ``torch.compile``
+    (dynamo traces the checked path).
+    """
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+            and isinstance(g, Tensor) and isinstance(beta, Tensor)
+            and (initial_state is None or isinstance(initial_state, Tensor))
+            and (A_log is None or isinstance(A_log, Tensor))
+            and (dt_bias is None or isinstance(dt_bias, Tensor))
+            and (scale is None or type(scale) is float)
+            and (lower_bound is None or type(lower_bound) is float)
+            and type(use_qk_l2norm_in_kernel) is bool and type(use_gate_in_kernel) is bool
+            and type(use_beta_sigmoid_in_kernel) is bool and type(allow_neg_eigval) is bool
+            and type(state_v_first) is bool
+            and LOAD_ERROR is None and not torch.compiler.is_compiling()):
+        return None
+    o, final_state, status = direct("_fused_recurrent_fast")(
+        q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, None, A_log,
+        dt_bias)
+    if status == _REFUSED:
+        return None
+    if status >= 0:  # the warning's words need the checked bundle (rare: unnormalised keys)
+        x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
+                             use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                             use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound,
+                             state_v_first, None, A_log, dt_bias)
+        warn_unstable_writes(x, status)
+    return o, (final_state if output_final_state else None)
 
 
 def chunk(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

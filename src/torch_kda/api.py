@@ -67,6 +67,10 @@ def _env(name: str) -> str:
     return "" if raw is None else env.decodevalue(raw)
 
 
+# TORCH_KDA_BACKEND values that leave backend="auto" its own choice
+_AUTO = ("", "auto")
+
+
 def _resolve_backend(backend: str, x: KDAInputs) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -166,6 +170,18 @@ def fused_recurrent_kda(
             call leaves the pool unchanged.
         RuntimeError: the requested backend cannot run here (see :func:`available_backends`).
     """
+    # The plain call with the native backend: checked and run in one C++ call (decode loops:
+    # docs/benchmarks.md "Decode: the Python layer, fifth round"); None where it refuses the
+    # arguments, and then the checks below raise with their words (or pick another backend).
+    if (ssm_state_indices is None and num_accepted_tokens is None and out is None
+            and inplace_final_state is False and cu_seqlens is None and type(pad_slot_id) is int
+            and (backend == "native" or backend == "auto" and _env("TORCH_KDA_BACKEND") in _AUTO)):
+        r = _native.fused_recurrent_fast(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+            state_v_first, A_log, dt_bias)
+        if r is not None:
+            return r
     x, srv = check_serving_inputs(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound,

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <numeric>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -65,12 +66,12 @@ bool is_float_dtype(at::ScalarType t) {
 // built and nothing thrown; the Python checks then run and raise with their own words
 // (docs/bad_inputs.md). One set of rules for both. Used inside functions returning bool with a
 // `probe` in scope.
-#define KDA_RULE(KIND, cond, ...)              \
-  do {                                         \
-    if (C10_UNLIKELY(!(cond))) {               \
-      if (probe) return false;                 \
+#define KDA_RULE(KIND, cond, ...)            \
+  do {                                       \
+    if (C10_UNLIKELY(!(cond))) {             \
+      if (probe) return false;               \
       KDA_CHECK_##KIND(false, __VA_ARGS__);  \
-    }                                          \
+    }                                        \
   } while (0)
 
 bool check_float(const char* op, const at::Tensor& t, const char* name, bool probe = false) {
@@ -645,6 +646,18 @@ std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_checked(KDA_OP_ARGS)
 // Python layer, fifth round").
 constexpr int64_t kRefused = -2;
 
+// The Python checks' rules beyond the ops' (check_kda_inputs, check_cu_seqlens): a lower_bound
+// is a finite negative number even without the in-op gate (where it is only a promise, see
+// fused_recurrent_kda), and cu_seqlens names at least one sequence.
+bool python_only_rules(std::optional<double> lower_bound,
+                       const std::optional<at::Tensor>& cu_seqlens) {
+  if (lower_bound && !(std::isfinite(*lower_bound) && *lower_bound < 0.0)) return false;
+  return !(cu_seqlens && cu_seqlens->defined() && cu_seqlens->numel() < 2);
+}
+
+// scale=None: K ** -0.5 as Python computes it (float pow), so that both paths run one scale.
+double python_default_scale(int64_t K) { return std::pow(static_cast<double>(K), -0.5); }
+
 std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_fast(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, std::optional<double> scale,
@@ -659,13 +672,11 @@ std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_fast(
                                  use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                                  lower_bound, state_v_first);
   Dims d;
-  if (!check_inputs(in, cfg, /*check_values=*/true, /*probe=*/true, d) || !q.is_cpu()) {
+  if (!check_inputs(in, cfg, /*check_values=*/true, /*probe=*/true, d) || !q.is_cpu() ||
+      !python_only_rules(lower_bound, cu_seqlens)) {
     return refused;
   }
-  // Python's one rule beyond the op's: a lower_bound is a finite negative number even without the
-  // in-op gate (where it is only a promise, see fused_recurrent_kda).
-  if (lower_bound && !(std::isfinite(*lower_bound) && *lower_bound < 0.0)) return refused;
-  const double s = scale ? *scale : std::pow(static_cast<double>(d.K), -0.5);
+  const double s = scale ? *scale : python_default_scale(d.K);
   return fused_recurrent_checked(q, k, v, g, beta, s, initial_state, use_qk_l2norm_in_kernel,
                                  use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                                  lower_bound, state_v_first, cu_seqlens, A_log, dt_bias);
@@ -748,10 +759,11 @@ bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
 // final_state) must not alias itself, another output or an input: the kernels write while other
 // threads still read (out = q returned wrong values; an expanded pool wrote two sequences' states
 // into one place). The rule and the words of torch_kda._checks.check_no_aliasing.
-void check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& written,
-                       const std::vector<std::pair<std::string, at::Tensor>>& read) {
+bool check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& written,
+                       const std::vector<std::pair<std::string, at::Tensor>>& read, bool probe) {
   for (const auto& [name, t] : written) {
     if (!may_self_overlap(t)) continue;
+    if (probe) return false;
     const std::string layout =
         "(shape " + shape_str(t.sizes()) + ", strides " + shape_str(t.strides()) + "; an expanded tensor?)";
     if (name == "initial_state") {
@@ -768,81 +780,100 @@ void check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& wr
   all.insert(all.end(), read.begin(), read.end());
   for (size_t i = 0; i < written.size(); ++i) {
     for (size_t j = i + 1; j < all.size(); ++j) {
-      KDA_CHECK_VALUE(!spans_intersect(all[i].second, all[j].second), kSrv, all[i].first,
-                        " shares memory with ", all[j].first, ": it is written in place while the "
-                        "call reads ", all[j].first, ", which would corrupt the result; pass a "
-                        "separate tensor as ", all[i].first);
+      KDA_RULE(VALUE, !spans_intersect(all[i].second, all[j].second), kSrv, all[i].first,
+               " shares memory with ", all[j].first, ": it is written in place while the "
+               "call reads ", all[j].first, ", which would corrupt the result; pass a "
+               "separate tensor as ", all[i].first);
     }
   }
+  return true;
 }
 
-// Every check of a serving call, and the plan it resolves to. Nothing is written before this
-// returns, so a rejected call leaves the pool (and out) untouched.
-ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
+// Every check of a serving call, and the plan it resolves to (raising, or probing: see KDA_RULE).
+// Nothing is written before this returns, so a rejected call leaves the pool (and out) untouched.
+// An undefined `out` (probing only: kda::_fused_recurrent_serving_fast allocates it afterwards)
+// is skipped, as an undefined final_state is.
+bool check_serving(KDA_SERVING_ARGS, bool probe, Inputs& in, Config& cfg, Dims& d,
+                   ServingPlan& plan) {
   const auto pool = defined_or_none(initial_state);
   const auto idx = defined_or_none(ssm_state_indices);
   const auto nat = defined_or_none(num_accepted_tokens);
   const auto fresh = defined_or_none(final_state);
-  KDA_CHECK(beta.defined(), kSrv, "beta must be a defined tensor");
+  KDA_RULE(TYPE, beta.defined(), kSrv, "beta must be a defined tensor");
+  KDA_RULE(TYPE, out.defined() || probe, kSrv, "out must be a defined tensor");
   const bool headwise = beta.dim() == 4;
-  KDA_CHECK_VALUE(!headwise || beta.size(3) > 0, kSrv, "head-wise beta [B, T, HV, V] needs V = "
-                    "v.shape[3] > 0 columns, got shape ", shape_str(beta.sizes()));
+  KDA_RULE(VALUE, !headwise || beta.size(3) > 0, kSrv, "head-wise beta [B, T, HV, V] needs V = "
+           "v.shape[3] > 0 columns, got shape ", shape_str(beta.sizes()));
   // The plain checks, with the pool and a head-wise beta replaced by what they check.
   in = make_inputs(q, k, v, g, headwise ? beta.select(3, 0) : beta, idx ? std::nullopt : pool,
                    cu_seqlens, A_log, dt_bias);
   cfg = make_config(kSrv, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                     use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first);
-  check_cpu(kSrv, in);
-  d = check_inputs(in, cfg, /*check_values=*/true);
+  if (probe) {
+    if (!check_inputs(in, cfg, /*check_values=*/true, /*probe=*/true, d) || !q.is_cpu()) {
+      return false;
+    }
+  } else {
+    check_cpu(kSrv, in);
+    d = check_inputs(in, cfg, /*check_values=*/true);
+  }
   in.beta = beta;
   in.initial_state = pool;
-  if (headwise) check_shape(kSrv, beta, "beta", {d.B, d.T, d.HV, d.V}, "[B, T, HV, V] (head-wise)");
+  if (headwise &&
+      !check_shape(kSrv, beta, "beta", {d.B, d.T, d.HV, d.V}, "[B, T, HV, V] (head-wise)", probe)) {
+    return false;
+  }
   const auto ct = compute_dtype(q);
   const std::vector<int64_t> per_slot = state_v_first ? std::vector<int64_t>{d.HV, d.V, d.K}
                                                       : std::vector<int64_t>{d.HV, d.K, d.V};
   const char* layout = state_v_first ? "[num_slots, HV, V, K] (state_v_first)" : "[num_slots, HV, K, V]";
   int64_t num_slots = 0;
   if (idx || inplace_final_state) {
-    KDA_CHECK_VALUE(pool.has_value(), kSrv, idx ? "ssm_state_indices" : "inplace_final_state=True",
-                      " needs the state pool as initial_state ", layout, ", got None");
+    KDA_RULE(VALUE, pool.has_value(), kSrv, idx ? "ssm_state_indices" : "inplace_final_state=True",
+             " needs the state pool as initial_state ", layout, ", got None");
     const auto& p = *pool;
-    check_device(kSrv, p, "initial_state", q);
-    KDA_CHECK_VALUE(p.dim() == 4 && p.size(1) == per_slot[0] && p.size(2) == per_slot[1] &&
-                          p.size(3) == per_slot[2],
-                      kSrv, "initial_state (the state pool) must have shape ", layout,
-                      " with [HV, ., .] = ", shape_str(per_slot), ", got ", shape_str(p.sizes()));
-    KDA_CHECK_TYPE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 ||
-                         (p.scalar_type() == at::kDouble && ct == at::kDouble),
-                     kSrv, "the state pool (initial_state) must be float32 or bfloat16 (or float64 "
-                     "with float64 inputs), got ", p.scalar_type());
+    if (!check_device(kSrv, p, "initial_state", q, probe)) return false;
+    KDA_RULE(VALUE, p.dim() == 4 && p.size(1) == per_slot[0] && p.size(2) == per_slot[1] &&
+                        p.size(3) == per_slot[2],
+             kSrv, "initial_state (the state pool) must have shape ", layout,
+             " with [HV, ., .] = ", shape_str(per_slot), ", got ", shape_str(p.sizes()));
+    KDA_RULE(TYPE, p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 ||
+                       (p.scalar_type() == at::kDouble && ct == at::kDouble),
+             kSrv, "the state pool (initial_state) must be float32 or bfloat16 (or float64 "
+             "with float64 inputs), got ", p.scalar_type());
     num_slots = p.size(0);
   }
   if (inplace_final_state) {
     const auto& p = *pool;
-    KDA_CHECK_VALUE(p.stride(3) == 1 && p.stride(2) == p.size(3) &&
-                          p.stride(1) == p.size(2) * p.size(3),
-                      kSrv, "inplace_final_state=True needs each slot of the pool contiguous, got "
-                      "strides ", shape_str(p.strides()));
-    KDA_CHECK_VALUE(!fresh, kSrv, "final_state must be None with inplace_final_state=True "
-                      "(the pool receives the states)");
+    KDA_RULE(VALUE, p.stride(3) == 1 && p.stride(2) == p.size(3) &&
+                        p.stride(1) == p.size(2) * p.size(3),
+             kSrv, "inplace_final_state=True needs each slot of the pool contiguous, got "
+             "strides ", shape_str(p.strides()));
+    KDA_RULE(VALUE, !fresh, kSrv, "final_state must be None with inplace_final_state=True "
+             "(the pool receives the states)");
   }
-  check_device(kSrv, out, "out", q);
-  check_shape(kSrv, out, "out", {d.B, d.T, d.HV, d.V}, "[B, T, HV, V]");
-  KDA_CHECK_TYPE(out.scalar_type() == q.scalar_type(), kSrv, "out must have the dtype of q (",
-                   q.scalar_type(), "), got ", out.scalar_type());
-  if (fresh) {
-    check_device(kSrv, *fresh, "final_state", q);
-    if (state_v_first) {
-      check_shape(kSrv, *fresh, "final_state", {d.N, d.HV, d.V, d.K}, "[N, HV, V, K]");
-    } else {
-      check_shape(kSrv, *fresh, "final_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]");
+  if (out.defined()) {
+    if (!check_device(kSrv, out, "out", q, probe) ||
+        !check_shape(kSrv, out, "out", {d.B, d.T, d.HV, d.V}, "[B, T, HV, V]", probe)) {
+      return false;
     }
-    KDA_CHECK_TYPE(fresh->scalar_type() == ct && fresh->is_contiguous(), kSrv,
-                     "final_state must be a contiguous ", ct, " tensor, got ", fresh->scalar_type());
+    KDA_RULE(TYPE, out.scalar_type() == q.scalar_type(), kSrv, "out must have the dtype of q (",
+             q.scalar_type(), "), got ", out.scalar_type());
+  }
+  if (fresh) {
+    if (!check_device(kSrv, *fresh, "final_state", q, probe)) return false;
+    const bool shape_ok =
+        state_v_first
+            ? check_shape(kSrv, *fresh, "final_state", {d.N, d.HV, d.V, d.K}, "[N, HV, V, K]", probe)
+            : check_shape(kSrv, *fresh, "final_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]", probe);
+    if (!shape_ok) return false;
+    KDA_RULE(TYPE, fresh->scalar_type() == ct && fresh->is_contiguous(), kSrv,
+             "final_state must be a contiguous ", ct, " tensor, got ", fresh->scalar_type());
   }
 
   {
-    std::vector<std::pair<std::string, at::Tensor>> written{{"out", out}};
+    std::vector<std::pair<std::string, at::Tensor>> written;
+    if (out.defined()) written.emplace_back("out", out);
     if (inplace_final_state) written.emplace_back("initial_state", *pool);
     if (fresh) written.emplace_back("final_state", *fresh);
     std::vector<std::pair<std::string, at::Tensor>> read{
@@ -854,10 +885,10 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
     for (const auto& [name, t] : optional_reads) {
       if (t) read.emplace_back(name, *t);
     }
-    check_no_aliasing(written, read);
+    if (!check_no_aliasing(written, read, probe)) return false;
   }
 
-  ServingPlan plan;
+  plan = ServingPlan();
   const Sequences seqs = make_sequences(in, d);
   plan.seq_start = seqs.start;
   plan.seq_end = seqs.end;
@@ -866,12 +897,14 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
   plan.pad.assign(d.N, 0);
   std::vector<int64_t> accepted;
   if (nat) {
-    KDA_CHECK_VALUE(idx && idx->dim() == 2, kSrv, "num_accepted_tokens (speculative decoding) "
-                      "needs 2-D ssm_state_indices [N, T_max]");
-    KDA_CHECK_TYPE(nat->scalar_type() == at::kLong || nat->scalar_type() == at::kInt, kSrv,
-                     "num_accepted_tokens must be int64 or int32, got ", nat->scalar_type());
-    check_device(kSrv, *nat, "num_accepted_tokens", q);
-    check_shape(kSrv, *nat, "num_accepted_tokens", {d.N}, "[N]");
+    KDA_RULE(VALUE, idx && idx->dim() == 2, kSrv, "num_accepted_tokens (speculative decoding) "
+             "needs 2-D ssm_state_indices [N, T_max]");
+    KDA_RULE(TYPE, nat->scalar_type() == at::kLong || nat->scalar_type() == at::kInt, kSrv,
+             "num_accepted_tokens must be int64 or int32, got ", nat->scalar_type());
+    if (!check_device(kSrv, *nat, "num_accepted_tokens", q, probe) ||
+        !check_shape(kSrv, *nat, "num_accepted_tokens", {d.N}, "[N]", probe)) {
+      return false;
+    }
     const auto a = nat->to(at::kLong).contiguous();
     accepted.assign(a.data_ptr<int64_t>(), a.data_ptr<int64_t>() + d.N);
   }
@@ -880,45 +913,49 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
       plan.src_row[n] = pool ? n : -1;
       plan.dst_row[n] = inplace_final_state || fresh ? n : -1;
     }
-    return plan;
+    return true;
   }
-  KDA_CHECK_TYPE(idx->scalar_type() == at::kLong || idx->scalar_type() == at::kInt, kSrv,
-                   "ssm_state_indices must be int64 or int32, got ", idx->scalar_type());
-  check_device(kSrv, *idx, "ssm_state_indices", q);
-  KDA_CHECK_VALUE((idx->dim() == 1 || idx->dim() == 2) && idx->size(0) == d.N, kSrv,
-                    "ssm_state_indices must have shape [N] or [N, T_max] with N = ", d.N,
-                    ", got ", shape_str(idx->sizes()));
-  KDA_CHECK_VALUE(idx->dim() == 1 || inplace_final_state, kSrv,
-                    "2-D ssm_state_indices write per-token snapshots into the pool and need "
-                    "inplace_final_state=True");
+  KDA_RULE(TYPE, idx->scalar_type() == at::kLong || idx->scalar_type() == at::kInt, kSrv,
+           "ssm_state_indices must be int64 or int32, got ", idx->scalar_type());
+  if (!check_device(kSrv, *idx, "ssm_state_indices", q, probe)) return false;
+  KDA_RULE(VALUE, (idx->dim() == 1 || idx->dim() == 2) && idx->size(0) == d.N, kSrv,
+           "ssm_state_indices must have shape [N] or [N, T_max] with N = ", d.N,
+           ", got ", shape_str(idx->sizes()));
+  KDA_RULE(VALUE, idx->dim() == 1 || inplace_final_state, kSrv,
+           "2-D ssm_state_indices write per-token snapshots into the pool and need "
+           "inplace_final_state=True");
   const auto iv = idx->to(at::kLong).contiguous();
   const int64_t* ix = iv.data_ptr<int64_t>();
   const int64_t cols = idx->dim() == 2 ? idx->size(1) : 1;
+  constexpr int64_t kBad = -2;  // a slot out of range (probing; raising throws instead)
   auto slot = [&](int64_t n, int64_t t) -> int64_t {  // -1: pad
     const int64_t s = ix[n * cols + t];
     if (s == pad_slot_id) return -1;
-    KDA_CHECK_VALUE(s >= 0 && s < num_slots, kSrv, "ssm_state_indices[", n,
+    if (s >= 0 && s < num_slots) return s;
+    KDA_CHECK_VALUE(probe, kSrv, "ssm_state_indices[", n,
                       idx->dim() == 2 ? ", " + std::to_string(t) : std::string(), "] = ", s,
                       " is out of range: expected a slot in [0, ", num_slots,
                       ") (num_slots = initial_state.shape[0]) or pad_slot_id = ", pad_slot_id);
-    return s;
+    return kBad;
   };
   std::unordered_map<int64_t, int64_t> writer;
-  auto claim = [&](int64_t s, int64_t n) {
-    if (s < 0) return;
+  auto claim = [&](int64_t s, int64_t n) -> bool {
+    if (s < 0) return true;
     const auto it = writer.emplace(s, n).first;
-    KDA_CHECK_VALUE(it->second == n, kSrv, "two sequences write slot ", s,
-                      " in one call (sequences ", it->second, " and ", n,
-                      "); each slot may be written by one sequence only");
+    KDA_RULE(VALUE, it->second == n, kSrv, "two sequences write slot ", s,
+             " in one call (sequences ", it->second, " and ", n,
+             "); each slot may be written by one sequence only");
+    return true;
   };
   if (idx->dim() == 1) {
     for (int64_t n = 0; n < d.N; ++n) {
       const int64_t s = slot(n, 0);
+      if (s == kBad) return false;
       plan.pad[n] = s < 0;
       plan.src_row[n] = s;
       if (inplace_final_state) {
         plan.dst_row[n] = s;
-        claim(s, n);
+        if (!claim(s, n)) return false;
       } else if (fresh) {
         plan.dst_row[n] = n;
       }
@@ -928,23 +965,26 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
     plan.snap.assign(d.N * cols, -1);
     for (int64_t n = 0; n < d.N; ++n) {
       const int64_t Tn = plan.seq_end[n] - plan.seq_start[n];
-      KDA_CHECK_VALUE(Tn <= cols, kSrv, "sequence ", n, " has ", Tn,
-                        " tokens but ssm_state_indices has T_max = ", cols, " columns");
+      KDA_RULE(VALUE, Tn <= cols, kSrv, "sequence ", n, " has ", Tn,
+               " tokens but ssm_state_indices has T_max = ", cols, " columns");
       if (Tn == 0) {
         plan.pad[n] = 1;
         continue;
       }
       const int64_t a = nat ? accepted[n] : 1;
-      KDA_CHECK_VALUE(a >= 1 && a <= Tn, kSrv, "num_accepted_tokens[", n,
-                        "] must be in [1, T_n] = [1, ", Tn, "], got ", a);
+      KDA_RULE(VALUE, a >= 1 && a <= Tn, kSrv, "num_accepted_tokens[", n,
+               "] must be in [1, T_n] = [1, ", Tn, "], got ", a);
       std::vector<int64_t> row(Tn);
-      for (int64_t t = 0; t < Tn; ++t) row[t] = slot(n, t);
+      for (int64_t t = 0; t < Tn; ++t) {
+        row[t] = slot(n, t);
+        if (row[t] == kBad) return false;
+      }
       plan.src_row[n] = row[a - 1];
       plan.pad[n] = row[a - 1] < 0;
       if (plan.pad[n]) continue;
       for (int64_t t = 0; t < Tn; ++t) {
         plan.snap[n * cols + t] = row[t];
-        claim(row[t], n);
+        if (!claim(row[t], n)) return false;
       }
     }
   }
@@ -952,11 +992,28 @@ ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
     const int64_t s = plan.src_row[n];
     if (s < 0) continue;
     const auto it = writer.find(s);
-    KDA_CHECK_VALUE(it == writer.end() || it->second == n, kSrv, "slot ", s,
-                      " is read by sequence ", n, " and written by sequence ", it->second,
-                      " in the same call; give each sequence its own slots");
+    KDA_RULE(VALUE, it == writer.end() || it->second == n, kSrv, "slot ", s,
+             " is read by sequence ", n, " and written by sequence ", it->second,
+             " in the same call; give each sequence its own slots");
   }
+  return true;
+}
+
+ServingPlan check_serving(KDA_SERVING_ARGS, Inputs& in, Config& cfg, Dims& d) {
+  ServingPlan plan;
+  check_serving(KDA_SERVING_FORWARD, /*probe=*/false, in, cfg, d, plan);
   return plan;
+}
+
+// A checked serving call: the values (g, beta), then the kernels. dst: the pool (in place), a
+// fresh final_state, or undefined.
+void run_serving(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& plan,
+                 const at::Tensor& dst, bool fresh_dst, const at::Tensor& out) {
+  check_domain(in, cfg, d);  // the values last, as in Python; still before any write
+  // A fresh final state is first touched by the kernels: 2 MB pages make that hundreds of times
+  // fewer page faults (B = 64, H = 32: 128 MB).
+  if (fresh_dst) advise_huge_pages(dst);
+  serving_cpu(in, cfg, d, plan, in.initial_state ? *in.initial_state : at::Tensor(), dst, out);
 }
 
 void fused_recurrent_serving_cpu(KDA_SERVING_ARGS) {
@@ -964,13 +1021,9 @@ void fused_recurrent_serving_cpu(KDA_SERVING_ARGS) {
   Config cfg;
   Dims d;
   const ServingPlan plan = check_serving(KDA_SERVING_FORWARD, in, cfg, d);
-  check_domain(in, cfg, d);  // the values last, as in Python; still before any write
   const auto fresh = defined_or_none(final_state);
   const at::Tensor dst = inplace_final_state ? *in.initial_state : fresh ? *fresh : at::Tensor();
-  // A caller's fresh final state is first touched by the kernels: 2 MB pages make that hundreds
-  // of times fewer page faults (B = 64, H = 32: 128 MB).
-  if (!inplace_final_state && fresh) advise_huge_pages(*fresh);
-  serving_cpu(in, cfg, d, plan, in.initial_state ? *in.initial_state : at::Tensor(), dst, out);
+  run_serving(in, cfg, d, plan, dst, !inplace_final_state && fresh, out);
 }
 
 void fused_recurrent_serving_meta(KDA_SERVING_ARGS) {}  // outputs are the caller's tensors
@@ -993,6 +1046,63 @@ void fused_recurrent_serving_autograd(KDA_SERVING_ARGS) {
                        .typed<void(KDA_SERVING_ARGS)>();
   at::AutoDispatchBelowADInplaceOrView guard;
   op.call(KDA_SERVING_FORWARD);
+}
+
+// kda::_fused_recurrent_serving_fast: fused_recurrent_kda's serving call (a state pool through
+// ssm_state_indices, in-place final states, out=, head-wise beta, per-token snapshots) on CPU
+// tensors in one Python -> C++ call, as kda::_fused_recurrent_fast is for the plain call:
+// check_serving probed (the rules of torch_kda._checks.check_serving_inputs), refused too under
+// grad mode when a tensor requires grad (serving is inference only: Python raises), then the
+// serving kernels and the place of the unstable-write warning. Allocates o when `out` is None and
+// the final state with output_final_state (not in place). Returns (o, or undefined when `out` was
+// given; the fresh final state or undefined; status as kda::_fused_recurrent_fast's).
+std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_serving_fast(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, std::optional<double> scale,
+    const std::optional<at::Tensor>& initial_state,
+    const std::optional<at::Tensor>& ssm_state_indices,
+    const std::optional<at::Tensor>& num_accepted_tokens, const std::optional<at::Tensor>& out,
+    bool output_final_state, int64_t pad_slot_id, bool inplace_final_state,
+    bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel,
+    bool allow_neg_eigval, std::optional<double> lower_bound, bool state_v_first,
+    const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& A_log,
+    const std::optional<at::Tensor>& dt_bias) {
+  const std::tuple<at::Tensor, at::Tensor, int64_t> refused{at::Tensor(), at::Tensor(), kRefused};
+  if (at::GradMode::is_enabled()) {
+    auto req = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
+    if (req(q) || req(k) || req(v) || req(g) || req(beta) || req(initial_state) || req(A_log) ||
+        req(dt_bias) || req(out)) {
+      return refused;
+    }
+  }
+  if (!python_only_rules(lower_bound, cu_seqlens)) return refused;
+  const at::Tensor out_given = out && out->defined() ? *out : at::Tensor();
+  Inputs in;
+  Config cfg;
+  Dims d;
+  ServingPlan plan;
+  if (!check_serving(q, k, v, g, beta, scale.value_or(1.0), initial_state, ssm_state_indices,
+                     num_accepted_tokens, out_given, std::nullopt, pad_slot_id,
+                     inplace_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                     use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
+                     cu_seqlens, A_log, dt_bias, /*probe=*/true, in, cfg, d, plan)) {
+    return refused;
+  }
+  if (!scale) cfg.scale = python_default_scale(d.K);
+  const at::Tensor o = out_given.defined() ? out_given : at::empty({d.B, d.T, d.HV, d.V}, q.options());
+  at::Tensor fresh;
+  if (output_final_state && !inplace_final_state) {
+    const auto opts = q.options().dtype(compute_dtype(q));
+    fresh = state_v_first ? at::empty({d.N, d.HV, d.V, d.K}, opts) : at::empty({d.N, d.HV, d.K, d.V}, opts);
+    // as check_serving plans it for a caller's final_state (1-D or no indices: not in place)
+    std::iota(plan.dst_row.begin(), plan.dst_row.end(), int64_t(0));
+  }
+  run_serving(in, cfg, d, plan, inplace_final_state ? *in.initial_state : fresh, fresh.defined(), o);
+  int64_t first = -1;
+  if (!use_qk_l2norm_in_kernel) {
+    first = first_unstable_write(k, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval ? 2.0 : 1.0);
+  }
+  return {out_given.defined() ? at::Tensor() : o, fresh, first};
 }
 
 }  // namespace
@@ -1107,6 +1217,13 @@ TORCH_LIBRARY(kda, m) {
         "bool allow_neg_eigval=False, float? lower_bound=None, bool state_v_first=False, "
         "Tensor? cu_seqlens=None, Tensor? A_log=None, Tensor? dt_bias=None) "
         "-> (Tensor o, Tensor final_state, int status)");
+  m.def("_fused_recurrent_serving_fast(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+        "float? scale, Tensor(a!)? initial_state, Tensor? ssm_state_indices, "
+        "Tensor? num_accepted_tokens, Tensor(b!)? out, bool output_final_state, int pad_slot_id, "
+        "bool inplace_final_state, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, "
+        "bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, float? lower_bound, "
+        "bool state_v_first, Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias) "
+        "-> (Tensor o, Tensor final_state, int status)");
   m.def("fused_recurrent_fwd(" KDA_SCHEMA_ARGS
         ") -> (Tensor o, Tensor final_state, Tensor checkpoints)");
   // Serving (docs/serving.md): writes o into `out`, final states into the pool (in place) or into
@@ -1157,6 +1274,7 @@ TORCH_LIBRARY_IMPL(kda, Meta, m) {
 TORCH_LIBRARY_IMPL(kda, CompositeImplicitAutograd, m) {
   m.impl("_fused_recurrent_checked", &kda::detail::fused_recurrent_checked);
   m.impl("_fused_recurrent_fast", &kda::detail::fused_recurrent_fast);
+  m.impl("_fused_recurrent_serving_fast", &kda::detail::fused_recurrent_serving_fast);
 }
 
 TORCH_LIBRARY_IMPL(kda, Autograd, m) {

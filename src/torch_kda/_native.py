@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._checks import KDAInputs, ServingArgs, check_kda_inputs, warn_unstable_writes
+from ._checks import KDAInputs, ServingArgs, check_serving_inputs, warn_unstable_writes
 from ._pool import gather_states, scatter_states, sequences
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -129,46 +129,72 @@ _REFUSED = -2
 
 def fused_recurrent_fast(q, k, v, g, beta, scale, initial_state, output_final_state,
                          use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                         allow_neg_eigval, lower_bound, state_v_first, A_log, dt_bias):
-    """``fused_recurrent_kda``'s plain call (no serving argument, no ``cu_seqlens``) on CPU tensors
-    in one Python -> C++ call, or None where the caller must run its checks (and then raise, or
-    pick another backend).
+                         allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias,
+                         ssm_state_indices, num_accepted_tokens, inplace_final_state, out,
+                         pad_slot_id):
+    """``fused_recurrent_kda(..., backend="native")`` on CPU tensors in one Python -> C++ call,
+    or None where the caller must run its checks (and then raise, or pick another backend).
 
-    ``kda::_fused_recurrent_fast`` (csrc/ops.cpp) probes the rules of
-    :func:`~torch_kda._checks.check_kda_inputs` in C++ without raising (the op's own checks, in
-    their probing mode, plus Python's rule for ``lower_bound``) and, where they hold, runs
-    ``kda::_fused_recurrent_checked``. What C++ cannot see is tested here: the Python types of the
-    arguments (the op's argument parser takes a bool or a tensor for a float, an int for a bool,
-    where the checks raise or convert). So every call this refuses gets the checks' exact errors;
-    every call it runs returns what the checked path returns (the same op). A decode step's Python
-    cost: docs/benchmarks.md "Decode: the Python layer, fifth round". Not under ``torch.compile``
-    (dynamo traces the checked path).
+    The plain call goes to ``kda::_fused_recurrent_fast``, a serving call (``ssm_state_indices``,
+    ``num_accepted_tokens``, ``inplace_final_state``, ``out``, head-wise beta) to
+    ``kda::_fused_recurrent_serving_fast`` (csrc/ops.cpp). They probe the rules of
+    :func:`~torch_kda._checks.check_serving_inputs` / :func:`~torch_kda._checks.check_kda_inputs`
+    in C++ without raising (the ops' own checks in their probing mode, plus the Python rules
+    beyond them) and, where they hold, run the kernels that :func:`fused_recurrent` /
+    :func:`serving` run, and find the place of the unstable-write warning. What C++ cannot see is
+    tested here: the Python types of the arguments (the ops' argument parser takes a bool or a
+    tensor for a float, an int for a bool, where the checks raise or convert). So every call
+    they refuse gets the checks' exact errors, and every call they run returns what the checked
+    path returns. A decode step's Python cost: docs/benchmarks.md "Decode: the Python layer,
+    fifth round". Not under ``torch.compile`` (dynamo traces the checked path).
     """
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
             and isinstance(g, Tensor) and isinstance(beta, Tensor)
             and (initial_state is None or isinstance(initial_state, Tensor))
             and (A_log is None or isinstance(A_log, Tensor))
             and (dt_bias is None or isinstance(dt_bias, Tensor))
+            and (cu_seqlens is None or isinstance(cu_seqlens, Tensor))
             and (scale is None or type(scale) is float)
             and (lower_bound is None or type(lower_bound) is float)
             and type(use_qk_l2norm_in_kernel) is bool and type(use_gate_in_kernel) is bool
             and type(use_beta_sigmoid_in_kernel) is bool and type(allow_neg_eigval) is bool
-            and type(state_v_first) is bool
+            and type(state_v_first) is bool and type(inplace_final_state) is bool
+            and type(pad_slot_id) is int
             and LOAD_ERROR is None and not torch.compiler.is_compiling()):
         return None
-    o, final_state, status = direct("_fused_recurrent_fast")(
-        q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, None, A_log,
-        dt_bias)
+    if (ssm_state_indices is None and num_accepted_tokens is None and out is None
+            and not inplace_final_state and beta.dim() != 4):
+        o, final_state, status = direct("_fused_recurrent_fast")(
+            q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
+            A_log, dt_bias)
+        if not output_final_state:
+            final_state = None
+    else:
+        if not ((ssm_state_indices is None or isinstance(ssm_state_indices, Tensor))
+                and (num_accepted_tokens is None or isinstance(num_accepted_tokens, Tensor))
+                and (out is None or isinstance(out, Tensor))):
+            return None
+        o, final_state, status = direct("_fused_recurrent_serving_fast")(
+            q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens, out,
+            bool(output_final_state), pad_slot_id, inplace_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+            state_v_first, cu_seqlens, A_log, dt_bias)
+        if out is not None:
+            o = out
+        if inplace_final_state:
+            final_state = initial_state
     if status == _REFUSED:
         return None
     if status >= 0:  # the warning's words need the checked bundle (rare: unnormalised keys)
-        x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
-                             use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                             use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound,
-                             state_v_first, None, A_log, dt_bias)
+        x, _ = check_serving_inputs(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound,
+            state_v_first, cu_seqlens, A_log, dt_bias, ssm_state_indices=ssm_state_indices,
+            num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state,
+            out=out, pad_slot_id=pad_slot_id)
         warn_unstable_writes(x, status)
-    return o, (final_state if output_final_state else None)
+    return o, final_state
 
 
 def chunk(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

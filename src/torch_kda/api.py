@@ -1,7 +1,9 @@
 """The functional API: ``chunk_kda``, ``fused_recurrent_kda``, ``kda_gate``, ``available_backends``.
 
 Arguments are checked once (``_checks.check_serving_inputs``, which runs ``check_kda_inputs``), then
-one backend runs:
+one backend runs. For :func:`fused_recurrent_kda` with the native backend the checks and the run
+are first tried in one C++ call (``_native.fused_recurrent_fast``: the same rules, probed without
+raising); where it refuses the arguments the checks run and raise as described. The backends:
 
 - ``"native"``: the C++ CPU operators: ``torch.ops.kda.fused_recurrent`` (token by token) for
   :func:`fused_recurrent_kda`, ``torch.ops.kda.chunk`` (chunkwise, matrix products) for
@@ -170,16 +172,15 @@ def fused_recurrent_kda(
             call leaves the pool unchanged.
         RuntimeError: the requested backend cannot run here (see :func:`available_backends`).
     """
-    # The plain call with the native backend: checked and run in one C++ call (decode loops:
-    # docs/benchmarks.md "Decode: the Python layer, fifth round"); None where it refuses the
-    # arguments, and then the checks below raise with their words (or pick another backend).
-    if (ssm_state_indices is None and num_accepted_tokens is None and out is None
-            and inplace_final_state is False and cu_seqlens is None and type(pad_slot_id) is int
-            and (backend == "native" or backend == "auto" and _env("TORCH_KDA_BACKEND") in _AUTO)):
+    # The native backend: checked and run in one C++ call (decode loops: docs/benchmarks.md
+    # "Decode: the Python layer, fifth round"); None where it refuses the arguments, and then the
+    # checks below raise with their words (or pick another backend).
+    if backend == "native" or backend == "auto" and _env("TORCH_KDA_BACKEND") in _AUTO:
         r = _native.fused_recurrent_fast(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
-            state_v_first, A_log, dt_bias)
+            state_v_first, cu_seqlens, A_log, dt_bias, ssm_state_indices, num_accepted_tokens,
+            inplace_final_state, out, pad_slot_id)
         if r is not None:
             return r
     x, srv = check_serving_inputs(

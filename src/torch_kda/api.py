@@ -63,10 +63,16 @@ def _env(name: str) -> str:
     ``os.environ.get`` where those are missing."""
     env = os.environ
     try:
-        raw = env._data.get(env.encodekey(name))
+        key = _ENV_KEYS.get(name)
+        if key is None:  # encoded once per name (~1 us of a decode call with backend="auto")
+            key = _ENV_KEYS[name] = env.encodekey(name)
+        raw = env._data.get(key)
     except AttributeError:  # another Python implementation
         return env.get(name, "")
     return "" if raw is None else env.decodevalue(raw)
+
+
+_ENV_KEYS: Dict[str, object] = {}  # name -> its key in os.environ's mapping (_env)
 
 
 # TORCH_KDA_BACKEND values that leave backend="auto" its own choice

@@ -764,7 +764,9 @@ def warn_unstable_writes(x: KDAInputs, flat: Optional[int] = None) -> None:
     ``beta <= 2``, so nothing is computed then; without it this costs one reduction over ``k`` and
     ``beta`` (and a host sync on CUDA), on CPU tensors one call of the native library's
     ``kda::_unstable_write`` when it is loaded, and nothing more for the native recurrent backend,
-    whose op finds the place itself (``kda::_fused_recurrent_checked``) and passes it as ``flat``.
+    whose op finds the place itself (``kda::_fused_recurrent_checked``; for ``fused_recurrent_kda``'s
+    native calls ``kda::_fused_recurrent_fast`` / ``kda::_fused_recurrent_serving_fast``) and passes
+    it as ``flat``.
     A warning, not an error: decays can still keep such a state bounded. It is raised here, in
     Python, for the native backend too: a ``TORCH_WARN`` from an op called through ``torch.ops``
     goes to stderr, not to Python's ``warnings``.

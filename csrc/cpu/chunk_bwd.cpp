@@ -15,12 +15,14 @@
 // count.
 #include "cpu/chunk_common.h"
 #include "cpu/kda_cpu.h"
+#include "cpu/output_cache.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace kda {
@@ -46,6 +48,37 @@ inline void transpose(int64_t rows, int64_t cols, const T* __restrict src, int64
       }
     }
   }
+}
+
+// Whether every p[d], d < n, is zero (p >= 0: products of decays). An OR of the bit patterns
+// vectorizes (a max or sum of floats does not without -ffast-math) and +0 is the only
+// non-negative float whose bits are all zero.
+template <typename T>
+inline bool all_zero(const T* __restrict p, int64_t n) {
+  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  Bits any = 0;
+  for (int64_t d = 0; d < n; ++d) {
+    Bits b;
+    std::memcpy(&b, p + d, sizeof(T));
+    any |= b;
+  }
+  return any == 0;
+}
+
+// sum_d x_d y_d, d < n, in 16 partial sums and then a fixed tree: the same bits on any thread, and
+// the loop vectorizes (a single running sum keeps it scalar without -ffast-math).
+template <typename T>
+inline T dot(const T* __restrict x, const T* __restrict y, int64_t n) {
+  T acc[16] = {};
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    for (int l = 0; l < 16; ++l) acc[l] += x[d + l] * y[d + l];
+  }
+  for (int l = 0; d < n; ++d, ++l) acc[l] += x[d] * y[d];
+  for (int w = 8; w >= 1; w /= 2) {
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0];
 }
 
 // The backward's part of a thread's workspace (row-major; ld = K + V). Names follow
@@ -82,7 +115,7 @@ struct BwdWork {
   T* dq;     // [kC, K]
   T* dk;     // [kC, K]
   T* run;    // [K]
-  T* run2;   // [K]
+  T* run2;   // [K] scratch: running products, Gam_i . k_i, the dg row before its select
   T* ybuf;   // [kSub, K]  pair terms of one column of a diagonal block
   T* dgd;    // [kSub, K]  the diagonal block's dg
   // The gradient w.r.t. g, in double (see "G = cumsum(g)" in chunk_backward): dG [kC, K] w.r.t.
@@ -186,13 +219,9 @@ inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_
     for (int64_t i = j + 1; i < b1; ++i) {
       // Strong decays: once the running product is 0 on every channel (flushed to zero), the
       // pairs (i' >= i, j) contribute exactly nothing.
-      if (i > j + 1) {
-        T any = T(0);
-        for (int64_t d = 0; d < K; ++d) any = std::max(any, std::abs(p[d]));
-        if (any == T(0)) {
-          last = i;
-          break;
-        }
+      if (i > j + 1 && all_zero(p, K)) {
+        last = i;
+        break;
       }
       const T ta = bw.dam[2 * i * kC + j], tm = bw.dam[(2 * i + 1) * kC + j];
       const T* __restrict ai = c.a + i * K;
@@ -252,16 +281,23 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
   // Vn = U + NW S
   for (int64_t i = 0; i < n; ++i) std::memcpy(bw.vn + i * V, bw.xu + i * ld + K, sizeof(T) * V);
   chunk::gemm(n, V, K, bw.xu, ld, bw.S, V, bw.vn, V, /*add=*/true);
-  // exp(G_last - G_i) (the running product of chunk_common's kdec) and Kdec
-  for (int64_t d = 0; d < K; ++d) bw.run[d] = T(1);
-  for (int64_t i = n - 1; i >= 0; --i) {
-    const T* ai = c.a + i * K;
-    for (int64_t d = 0; d < K; ++d) {
-      bw.edec[i * K + d] = bw.run[d];
-      bw.run[d] *= ai[d];
+  // exp(G_last - G_i) and Kdec_i = k_i exp(G_last - G_i) (the running product of chunk_common's
+  // kdecT, formed here token-major instead of transposing kdecT back).
+  {
+    T* __restrict run = bw.run;
+    for (int64_t d = 0; d < K; ++d) run[d] = T(1);
+    for (int64_t i = n - 1; i >= 0; --i) {
+      const T* __restrict ai = c.a + i * K;
+      const T* __restrict ki = c.k + i * K;
+      T* __restrict ed = bw.edec + i * K;
+      T* __restrict kd = bw.kdec + i * K;
+      for (int64_t d = 0; d < K; ++d) {
+        ed[d] = run[d];
+        kd[d] = ki[d] * run[d];
+        run[d] *= ai[d];
+      }
     }
   }
-  transpose(K, n, cw.kdecT, kC, bw.kdec, K);
 
   // ---- O = (Q . Gam) S + M Vn,  S_next = Diag(Gam_last) S + Kdec^T Vn ----
   const T* dO = A.dout + (s0 * HV + hv) * V;
@@ -353,22 +389,20 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
     double* __restrict dG = bw.dG + i * K;
     double* __restrict dgx = bw.dgx + i * K;
     T* __restrict dv = A.dv + ((s0 + i) * HV + hv) * V;
-    for (int64_t e = 0; e < V; ++e) {
-      db += dbv[e] * vi[e];
-      dv[e] = b * dbv[e];
-    }
+    T* __restrict gk = bw.run2;  // Gam_i . k_i
+    double* __restrict kacc = bw.acc + K;
+    for (int64_t e = 0; e < V; ++e) dv[e] = b * dbv[e];
     for (int64_t d = 0; d < K; ++d) {
-      const T gk = gi[d] * ki[d];
-      db -= dnr[d] * gk;
+      gk[d] = gi[d] * ki[d];
       dq[d] = gi[d] * dqg[d];
       dk[d] = -b * gi[d] * dnr[d] + ed[d] * dkd[d];
-      dG[d] = static_cast<double>(-b * gk * dnr[d] + qgi[d] * dqg[d]);
+      dG[d] = static_cast<double>(-b * gk[d] * dnr[d] + qgi[d] * dqg[d]);
       // Kdec_i = k_i exp(G_last - G_i) depends on g_t for i < t <= last: dg_t gets the sum of
       // Kdec_i . dKdec_i over i < t (an exclusive prefix sum, in acc[K:]).
-      dgx[d] = bw.acc[K + d];
-      bw.acc[K + d] += static_cast<double>(kd[d] * dkd[d]);
+      dgx[d] = kacc[d];
+      kacc[d] += static_cast<double>(kd[d] * dkd[d]);
     }
-    A.dbeta[(s0 + i) * HV + hv] = db;
+    A.dbeta[(s0 + i) * HV + hv] = db + dot(dbv, vi, V) - dot(dnr, gk, K);
   }
   for (int64_t d = 0; d < K; ++d) bw.dG[(n - 1) * K + d] += bw.acc[d];
 
@@ -424,16 +458,14 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
       const T* __restrict kj = c.k + j * K;
       T* __restrict cf = bw.cf + j * K;
       T* __restrict kr = bw.kr + j * K;
-      T any = T(0);
+      if (all_zero(p, K)) {
+        j0 = j + 1;
+        break;
+      }
       for (int64_t d = 0; d < K; ++d) {
         cf[d] = p[d];
         kr[d] = kj[d] * p[d];
-        any = std::max(any, std::abs(p[d]));
         p[d] *= aj[d];
-      }
-      if (any == T(0)) {
-        j0 = j + 1;
-        break;
       }
     }
     const int64_t cols = factored ? b1 : b0;
@@ -506,17 +538,21 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
   // ---- G = cumsum(g): dg_t = sum_{i >= t} dG_i + dgx_t, summed in double; a step with
   // a = exp(g) = 0 (an infinite or underflowed decay) has dg = a dL/da = 0 (docs/math.md
   // "Saturation") ----
-  for (int64_t d = 0; d < K; ++d) bw.acc[d] = 0.0;
+  double* __restrict acc = bw.acc;
+  for (int64_t d = 0; d < K; ++d) acc[d] = 0.0;
   for (int64_t i = n - 1; i >= 0; --i) {
     const int64_t row = ((s0 + i) * HV + hv) * K;
     const T* __restrict ai = c.a + i * K;
     const double* __restrict dG = bw.dG + i * K;
     const double* __restrict dgx = bw.dgx + i * K;
     T* __restrict dg = A.dg + row;
+    // Two loops, one in double and one in T: mixing them with the select kept it scalar.
+    T* __restrict sum = bw.run2;
     for (int64_t d = 0; d < K; ++d) {
-      bw.acc[d] += dG[d];
-      dg[d] = ai[d] == T(0) ? T(0) : static_cast<T>(bw.acc[d] + dgx[d]);
+      acc[d] += dG[d];
+      sum[d] = static_cast<T>(acc[d] + dgx[d]);
     }
+    for (int64_t d = 0; d < K; ++d) dg[d] = ai[d] == T(0) ? T(0) : sum[d];
     std::memcpy(A.dq + row, bw.dq + i * K, sizeof(T) * K);
     std::memcpy(A.dk + row, bw.dk + i * K, sizeof(T) * K);
   }
@@ -593,7 +629,7 @@ void run_chunk_bwd(const BwdSetup& s, const KernelGrads& kg) {
   chunk::ChunkWork<T>(sizer, d.K, d.V);
   BwdWork<T>(sizer, d.K, d.V);
   const int64_t stride = sizer.bytes();
-  const at::Tensor ws = at::empty({threads * stride + 64}, kg.dq.options().dtype(at::kByte));
+  const at::Tensor ws = empty_output({threads * stride + 64}, kg.dq.options().dtype(at::kByte));
   advise_huge_pages(ws);  // ~1.6 MB per thread at K = V = 128 in float: fresh pages every call
   char* const ws0 = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(ws.data_ptr()) + 63) / 64 * 64);
@@ -617,15 +653,18 @@ std::vector<at::Tensor> chunk_bwd_cpu(const at::Tensor& d_o,
   const Dims& d = s.d;
   const auto opts = in.q.options().dtype(compute_dtype(in.q));
   const int64_t BT = d.B * d.T;
-  // Gradients per value head (one partial: a unit owns all columns of its head).
+  // Gradients per value head (one partial: a unit owns all columns of its head). From the output
+  // cache (csrc/cpu/output_cache.h), as the recurrent backward's: made fresh, their pages were
+  // faulted in and zeroed by the kernel on every call (clear_page, ~10% of a B1 T8K H4 call on
+  // the 2-core box).
   KernelGrads kg;
   kg.groups = 1;
-  kg.dq = at::empty({1, BT, d.HV, d.K}, opts);
-  kg.dk = at::empty({1, BT, d.HV, d.K}, opts);
-  kg.dg = at::empty({1, BT, d.HV, d.K}, opts);
-  kg.dbeta = at::empty({1, BT, d.HV}, opts);
-  kg.dv = at::empty({BT, d.HV, d.V}, opts);
-  kg.dh0 = at::empty({d.N, d.HV, d.K, d.V}, opts);
+  kg.dq = empty_output({1, BT, d.HV, d.K}, opts);
+  kg.dk = empty_output({1, BT, d.HV, d.K}, opts);
+  kg.dg = empty_output({1, BT, d.HV, d.K}, opts);
+  kg.dbeta = empty_output({1, BT, d.HV}, opts);
+  kg.dv = empty_output({BT, d.HV, d.V}, opts);
+  kg.dh0 = empty_output({d.N, d.HV, d.K, d.V}, opts);
   for (const at::Tensor* t : {&kg.dq, &kg.dk, &kg.dg, &kg.dv}) advise_huge_pages(*t);
   if (opts.dtype() == at::kDouble) {
     run_chunk_bwd<double>(s, kg);

@@ -150,20 +150,22 @@ Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for
   if (cfg.use_gate_in_kernel && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
   if (cfg.use_gate_in_kernel && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
 
+  // From the output cache (csrc/cpu/output_cache.h): the chunk backward calls this once per
+  // call, and fresh arrays were faulted in and zeroed by the kernel every time.
   Prepared p;
-  p.q = at::empty({d.H, BT, d.K}, opts);
-  p.k_hm = at::empty({d.H, BT, d.K}, opts);
-  p.a = at::empty({d.HV, BT, d.K}, opts);
-  p.ak = at::empty({d.HV, BT, d.K}, opts);
-  p.beta_hm = at::empty({d.HV, BT}, opts);
+  p.q = empty_output({d.H, BT, d.K}, opts);
+  p.k_hm = empty_output({d.H, BT, d.K}, opts);
+  p.a = empty_output({d.HV, BT, d.K}, opts);
+  p.ak = empty_output({d.HV, BT, d.K}, opts);
+  p.beta_hm = empty_output({d.HV, BT}, opts);
   if (for_backward) {
     if (cfg.use_qk_l2norm_in_kernel) {
-      p.q_rnorm = at::empty({BT, d.H}, opts);
-      p.k_rnorm = at::empty({BT, d.H}, opts);
+      p.q_rnorm = empty_output({BT, d.H}, opts);
+      p.k_rnorm = empty_output({BT, d.H}, opts);
     }
     if (cfg.use_gate_in_kernel) {
-      p.g = at::empty({BT, d.HV, d.K}, opts);
-      p.gate_s = at::empty({BT, d.HV, d.K}, opts);
+      p.g = empty_output({BT, d.HV, d.K}, opts);
+      p.gate_s = empty_output({BT, d.HV, d.K}, opts);
     }
   }
   // Full-size arrays of the backward's pre-processing: 2 MB pages (see advise_huge_pages).

@@ -7,6 +7,8 @@ same inputs, their ratios, and the chunk backward's gradients against the recurr
 norm and beta sigmoid in the op, K = V = 128); "bench" keeps its gate rates (exp(A_log) up to
 15: strong decays), "weak" sets A_log = -3 (rates 0.05: the factored diagonal blocks).
 Run from outside the source tree:  cd /tmp && python /path/to/benchmarks/chunk_bwd_breakdown.py
+``--cpu-time`` times with the process's CPU time (``time.process_time``) instead of wall time:
+with one thread on a shared, loaded box it leaves out the time other processes take.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from torch_kda.benchmark import Shape, make_inputs
 OPS = ("rec_fwd", "rec_bwd", "chunk_fwd", "chunk_bwd")
 
 
-def measure(T: int, H: int, dtype: torch.dtype, gates: str, reps: int) -> str:
+def measure(T: int, H: int, dtype: torch.dtype, gates: str, reps: int,
+            clock=time.perf_counter) -> str:
     t, _ = make_inputs(Shape(1, T, H, H), dtype)
     A_log = t["A_log"] if gates == "bench" else torch.full_like(t["A_log"], -3.0)
     args = (t["q"], t["k"], t["v"], t["g"], t["beta"], 128 ** -0.5, None, True, True, True, False,
@@ -39,9 +42,9 @@ def measure(T: int, H: int, dtype: torch.dtype, gates: str, reps: int) -> str:
         fn()
     for _ in range(reps):
         for k in OPS:
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[k]()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(clock() - t0)
     m = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
     rel = [((x.double() - y.double()).norm() / y.double().norm()).item()
            for x, y in zip(fns["chunk_bwd"](), fns["rec_bwd"]()) if x.numel()]
@@ -57,16 +60,20 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--cpu-time", action="store_true",
+                   help="process CPU time instead of wall time (one thread, shared box)")
     args = p.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     print(f"B1 T{args.seq_len} H{args.heads} K=V=128, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}; medians (ms)")
+          f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}; medians (ms, "
+          f"{'process CPU' if args.cpu_time else 'wall'} time)")
     print("| gates | dtype | rec fwd | rec bwd | chunk fwd | chunk bwd | bwd: rec / chunk | "
           "fwd+bwd: rec / chunk | max rel. diff chunk vs rec grads |")
     print("|---|---|---|---|---|---|---|---|---|")
     for gates in ("bench", "weak"):
         for dtype in (torch.bfloat16, torch.float32):
-            print(measure(args.seq_len, args.heads, dtype, gates, args.reps), flush=True)
+            print(measure(args.seq_len, args.heads, dtype, gates, args.reps, clock), flush=True)
 
 
 if __name__ == "__main__":

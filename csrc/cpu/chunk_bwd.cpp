@@ -14,6 +14,7 @@
 // and every sum in it runs in a fixed order, so results are bitwise identical for any thread
 // count.
 #include "cpu/chunk_common.h"
+#include "cpu/chunk_vec.h"
 #include "cpu/kda_cpu.h"
 #include "cpu/output_cache.h"
 
@@ -34,21 +35,6 @@ using chunk::kC;
 using chunk::kSub;
 
 using chunk::kMinBlockDecay;
-
-// dst[c, r] = src[r, c] for a rows x cols block (leading dimensions lds, ldd), in 8 x 8 tiles.
-template <typename T>
-inline void transpose(int64_t rows, int64_t cols, const T* __restrict src, int64_t lds,
-                      T* __restrict dst, int64_t ldd) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    const int64_t r1 = std::min(rows, r0 + 8);
-    for (int64_t c0 = 0; c0 < cols; c0 += 8) {
-      const int64_t c1 = std::min(cols, c0 + 8);
-      for (int64_t c = c0; c < c1; ++c) {
-        for (int64_t r = r0; r < r1; ++r) dst[c * ldd + r] = src[r * lds + c];
-      }
-    }
-  }
-}
 
 // Whether every p[d], d < n, is zero (p >= 0: products of decays). An OR of the bit patterns
 // vectorizes (a max or sum of floats does not without -ffast-math) and +0 is the only
@@ -304,18 +290,18 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
   for (int64_t i = 0; i < n; ++i) std::memcpy(bw.X + i * V, dO + i * HV * V, sizeof(T) * V);
   T* dVn = bw.X + n * V;
   // dVn = M^T dO + Kdec dS_next
-  transpose(n, n, cw.am + kC, 2 * kC, bw.mT, kC);
+  chunk::transpose(cw.am + kC, n, n, 2 * kC, bw.mT, kC);
   chunk::gemm(n, V, n, bw.mT, kC, bw.X, V, dVn, V, /*add=*/false);
   chunk::gemm(n, V, K, bw.kdec, K, bw.dS, V, dVn, V, /*add=*/true);
   // [d(Q . Gam); dNW] = [dO; dVn] S^T   (Vn = U + NW S gives dNW = dVn S^T)
-  transpose(K, V, bw.S, V, bw.ST, K);
+  chunk::transpose(bw.S, K, V, V, bw.ST, K);
   chunk::gemm(2 * n, K, V, bw.X, V, bw.ST, K, bw.Y, K, /*add=*/false);
   // dKdec = Vn dS_next^T
-  transpose(K, V, bw.dS, V, bw.dST, K);
+  chunk::transpose(bw.dS, K, V, V, bw.dST, K);
   chunk::gemm(n, K, V, bw.vn, V, bw.dST, K, bw.dkdec, K, /*add=*/false);
   // dS = (Q . Gam)^T dO + NW^T dVn + Diag(Gam_last) dS_next
-  transpose(n, K, cw.qg, K, bw.qwT, 2 * kC);
-  transpose(n, K, bw.xu, ld, bw.qwT + n, 2 * kC);
+  chunk::transpose(cw.qg, n, K, K, bw.qwT, 2 * kC);
+  chunk::transpose(bw.xu, n, K, ld, bw.qwT + n, 2 * kC);
   chunk::gemm(K, V, 2 * n, bw.qwT, 2 * kC, bw.X, V, bw.dSnew, V, /*add=*/false);
   const T* gl = cw.gam + (n - 1) * K;
   for (int64_t d = 0; d < K; ++d) {
@@ -337,7 +323,8 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
     std::memcpy(bw.dR + i * ld, bw.Y + (n + i) * K, sizeof(T) * K);
     std::memcpy(bw.dR + i * ld + K, dVn + i * V, sizeof(T) * V);
   }
-  transpose(n, n, cw.na, kC, bw.naT, kC);  // only the strictly lower part of na is read below
+  // (only the strictly lower part of na is read below)
+  chunk::transpose(cw.na, n, n, kC, bw.naT, kC);
   for (int64_t I = nb - 1; I >= 0; --I) {
     const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub);
     // dR_i += sum_{m >= b1} na_mi dR_m   (na = -A)
@@ -355,9 +342,9 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
     }
   }
   // dA = -strict_tril(dR [NW | U]^T);  dM = tril(dO Vn^T)
-  transpose(n, ld, bw.xu, ld, bw.xuT, kC);
+  chunk::transpose(bw.xu, n, ld, ld, bw.xuT, kC);
   chunk::gemm(n, n, ld, bw.dR, ld, bw.xuT, kC, bw.dam, 2 * kC, /*add=*/false);
-  transpose(n, V, bw.vn, V, bw.vnT, kC);
+  chunk::transpose(bw.vn, n, V, V, bw.vnT, kC);
   chunk::gemm(n, n, V, bw.X, V, bw.vnT, kC, bw.dam + kC, 2 * kC, /*add=*/false);
 
   // ---- per token: beta, v, Gam, Kdec ----
@@ -483,8 +470,8 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
       chunk::gemm(2 * rows, K, rows, bw.dam + 2 * b0 * kC + b0, kC, bw.kr + b0 * K, K, bw.dlq2,
                   K, /*add=*/false);
     }
-    transpose(2 * rows, cols - j0, bw.dam + 2 * b0 * kC + j0, kC, bw.damT + j0 * 2 * kSub,
-              2 * kSub);
+    chunk::transpose(bw.dam + 2 * b0 * kC + j0, 2 * rows, cols - j0, kC, bw.damT + j0 * 2 * kSub,
+                     2 * kSub);
     chunk::gemm(cols - j0, K, 2 * rows, bw.damT + j0 * 2 * kSub, 2 * kSub, bw.lq, K,
                 bw.dkr + j0 * K, K, /*add=*/false);
     // dg_t collects the pairs (i in I, j < b0) with j < t <= i, formed directly (a reverse sum of

@@ -2,6 +2,7 @@
 
 Each call of this script loads ONE ``libkda.so`` by path (``torch.ops.load_library``; the
 ``torch_kda`` package is not imported, so its installed library does not clash) and times
+``kda::fused_recurrent`` (the forward of inference and ``torch.no_grad()``: no checkpoints),
 ``kda::fused_recurrent_fwd`` and ``kda::fused_recurrent_bwd`` (q/k L2 norm, softplus gate with
 ``A_log``/``dt_bias`` and sigmoid beta in the op; dense random cotangents) at B = 1, K = V = 128,
 fp32, with the fp32 GEMM rate (``torch.mm`` 2048^2) measured in the same process before each
@@ -13,7 +14,7 @@ between calls, e.g.::
     for r in 1 2; do for lib in /tmp/base/libkda.so /tmp/new/libkda.so; do
       python benchmarks/ab_libs.py $lib --heads 4 --threads 1; done; done
 
-Prints one line per call: medians over ``--reps`` of fwd and bwd (ms) and their % of the GEMM
+Prints one line per call: medians over ``--reps`` of inf, fwd and bwd (ms) and their % of the GEMM
 rate (docs/benchmarks.md, "Training: forward + backward vs the GEMM rate").
 """
 
@@ -63,14 +64,16 @@ def main() -> None:
     mm_a, mm_b = rnd(2048, 2048), rnd(2048, 2048)
     torch.mm(mm_a, mm_b)
     torch.ops.kda.fused_recurrent_bwd(d_o, d_s, ckpt, *args, **kw)  # warm-up (output cache)
-    gemm, fwd, bwd = [], [], []
+    gemm, inf, fwd, bwd = [], [], [], []
     for _ in range(a.reps):
         gemm.append(max(2 * 2048 ** 3 / seconds(lambda: torch.mm(mm_a, mm_b)) / 1e9 for _ in range(2)))
+        inf.append(seconds(lambda: torch.ops.kda.fused_recurrent(*args, **kw)))
         fwd.append(seconds(lambda: torch.ops.kda.fused_recurrent_fwd(*args, **kw)))
         bwd.append(seconds(lambda: torch.ops.kda.fused_recurrent_bwd(d_o, d_s, ckpt, *args, **kw)))
-    G, F, B = (statistics.median(x) for x in (gemm, fwd, bwd))
+    G, I, F, B = (statistics.median(x) for x in (gemm, inf, fwd, bwd))
     fl = 8 * K * K * H * T  # forward FLOPs; the backward counts 3x
-    print(f"{a.lib} H{H} T{T} thr{a.threads} gemm={G:.0f} GFLOP/s fwd={F * 1e3:.1f} ms "
+    print(f"{a.lib} H{H} T{T} thr{a.threads} gemm={G:.0f} GFLOP/s inf={I * 1e3:.1f} ms "
+          f"inf={100 * fl / I / 1e9 / G:.1f}% fwd={F * 1e3:.1f} ms "
           f"bwd={B * 1e3:.1f} ms fwd={100 * fl / F / 1e9 / G:.1f}% bwd={100 * 3 * fl / B / 1e9 / G:.1f}% "
           f"fwd+bwd={100 * 4 * fl / (F + B) / 1e9 / G:.1f}% of GEMM", flush=True)
 

@@ -119,9 +119,9 @@ inline T hsum_n(const vec_t<T> (&x)[NV]) {
   return hsum<T>(vsum_n<T, NV>(x));
 }
 
-// Row sums of L = kLanes consecutive vectors w[0..L) (the per-row partial products of a slice),
-// returned as one vector in row order: a transposing tree of shuffles and adds (about 3
-// operations per row instead of a full horizontal sum per row). Fixed order: deterministic.
+// Lane sums of L = kLanes consecutive vectors w[0..L) (the backward's column partials), returned
+// as one vector in order: a transposing tree of shuffles and adds (about 3 operations per vector
+// instead of a full horizontal sum each). Fixed order: deterministic.
 #if defined(__GNUC__) && !defined(__clang__)
 #define KDA_HAVE_TRANSPOSE_REDUCE 1
 template <typename T>
@@ -170,8 +170,9 @@ struct ReduceMasks {
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // 8 floats under AVX2: the same transposing tree with fixed in-lane shuffles (unpack, shufps,
 // one 128-bit lane swap). The generic form above takes its masks from memory, which GCC turns
-// into two vpermps and a vblendvps per shuffle: the row reductions of the backward took ~40% of
-// its time on Zen 3. Lane l of the result is the sum of w[l] (pairs, then quads, then halves).
+// into two vpermps and a vblendvps per shuffle: as the backward's row reductions (before its
+// slices were transposed) they took ~40% of its time on Zen 3. Lane l of the result is the sum of
+// w[l] (pairs, then quads, then halves).
 inline vec_t<float> reduce_rows8(const vec_t<float>* w) {
   // Direct 32-byte loads: a memcpy into a local array became 16-byte copies through the stack
   // and 32-byte reloads (failed store forwarding).
@@ -214,43 +215,6 @@ inline vec_t<T> transpose_reduce(const vec_t<T>* w, const ReduceMasks<T>& M) {
   return __builtin_shuffle(x[0], M.natural);
 }
 #endif
-
-// Row gradients of one token from the per-row partial products W (3 arrays of K vectors, see
-// bwd_chunk: P.do, D.u - beta a_i P.delta, H_{t-1}.P), summed over lanes:
-//   dq_i = a_i x0_i + k_i udo,  dk_i = x1_i,  dg_i = x2_i
-// (first: store, else add). Blocks of L rows use the transposing reduction.
-template <typename T>
-inline void row_grads(T* dq, T* dk, T* dg, const vec_t<T>* Wq, const vec_t<T>* Wk,
-                      const vec_t<T>* Wg, const T* a, const T* k, T udo, int64_t K, bool first) {
-  using V = vec_t<T>;
-  constexpr int64_t L = kLanes<T>;
-  int64_t i = 0;
-#if defined(KDA_HAVE_TRANSPOSE_REDUCE)
-  static const ReduceMasks<T> masks;
-  for (; i + L <= K; i += L) {
-    const V x0 = transpose_reduce<T>(Wq + i, masks);
-    V gk = transpose_reduce<T>(Wk + i, masks);
-    V gg = transpose_reduce<T>(Wg + i, masks);
-    const V av = load_cols(a + i, L), kv = load_cols(k + i, L);
-    V gq = av * x0 + kv * udo;
-    if (!first) {
-      gq += load_cols(dq + i, L);
-      gk += load_cols(dk + i, L);
-      gg += load_cols(dg + i, L);
-    }
-    store_cols(dq + i, gq, L);
-    store_cols(dk + i, gk, L);
-    store_cols(dg + i, gg, L);
-  }
-#endif
-  for (; i < K; ++i) {
-    const T x0 = hsum<T>(Wq[i]), gk = hsum<T>(Wk[i]), gg = hsum<T>(Wg[i]);
-    const T gq = a[i] * x0 + k[i] * udo;
-    dq[i] = first ? gq : dq[i] + gq;
-    dk[i] = first ? gk : dk[i] + gk;
-    dg[i] = first ? gg : dg[i] + gg;
-  }
-}
 
 // Copies the slice [j0, j0 + width) of a row-major K x V state into the padded K x NV buffer.
 template <typename T, int NV>
@@ -735,95 +699,261 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   }
 }
 
-// One token of the backward: its recomputed S_{t-1}, inputs and r_t, u_t, do_t (slice columns).
-template <typename T, int NV>
+// ---- backward -------------------------------------------------------------------------------
+//
+// The backward keeps its slices TRANSPOSED: column j of a K x W slice is ceil(K / L) vectors whose
+// lanes are the rows i (rows K..Kp padded with zeros, Kp = K rounded up to 16). Every
+// quantity the backward needs per row (dq_i, dk_i, dg_i: sums over the slice's columns) is then a
+// vertical sum over the columns, and the per-row inputs a_i, k_i, q_i are vector loads. The sums
+// over rows (delta = D^T k, and the recompute's read S'^T k: one per column, two per token)
+// become lane sums, reduced 16 columns at a time by transpose_reduce. Row-major slices (as the
+// forward's) needed three row reductions per row and token instead: on AVX-512 ~6 permutes per
+// row on port 5, one of the two ports of the ~17 FMAs per row, and most of that port's pressure.
+
+// Rows of a transposed column: K padded to a multiple of 16 (of every lane count).
+inline int64_t padded_rows(int64_t K) { return (K + 15) / 16 * 16; }
+
+// The slice [j0, j0 + width) of a row-major K x V state, transposed into dst (width columns of
+// Kp elements, rows K..Kp zero); src == null: zeros.
+template <typename T>
+inline void load_slice_tr(T* dst, const T* src, int64_t K, int64_t V, int64_t width) {
+  const int64_t Kp = padded_rows(K);
+  for (int64_t j = 0; j < width; ++j) {
+    for (int64_t i = K; i < Kp; ++i) dst[j * Kp + i] = T(0);
+  }
+  if (!src) {
+    for (int64_t j = 0; j < width; ++j) {
+      for (int64_t i = 0; i < K; ++i) dst[j * Kp + i] = T(0);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < K; ++i) {
+    for (int64_t j = 0; j < width; ++j) dst[j * Kp + i] = src[i * V + j];
+  }
+}
+
+template <typename T>
+inline void store_slice_tr(T* dst, const T* src, int64_t K, int64_t V, int64_t width) {
+  const int64_t Kp = padded_rows(K);
+  for (int64_t i = 0; i < K; ++i) {
+    for (int64_t j = 0; j < width; ++j) dst[i * V + j] = src[j * Kp + i];
+  }
+}
+
+// out[j] = the lane sum of Z[j], j < width (16 or 8 columns at a time through the transposing
+// reduction; a fixed order: deterministic).
+template <typename T>
+inline void lane_sums(T* out, const vec_t<T>* Z, int64_t width) {
+  int64_t j = 0;
+#if defined(KDA_HAVE_TRANSPOSE_REDUCE)
+  constexpr int64_t L = kLanes<T>;
+  static const ReduceMasks<T> masks;
+  for (; j + L <= width; j += L) store_cols(out + j, transpose_reduce<T>(Z + j, masks), L);
+#endif
+  for (; j < width; ++j) out[j] = hsum<T>(Z[j]);
+}
+
+// Keeps a loaded vector in its register: GCC folds every use of a load into the arithmetic as a
+// memory operand (P = S_{t-1}[i, j] was loaded three times, D twice), and the sweep then issued
+// as many loads as FMAs, the two ports of each bound together. One register per vector under
+// AVX2 / AVX-512 only (the generic 64-byte vectors span several registers).
+#if (defined(__AVX512F__) && KDA_VEC_BYTES == 64) || (defined(__AVX2__) && KDA_VEC_BYTES == 32)
+#define KDA_KEEP(x) asm("" : "+v"(x))
+#else
+#define KDA_KEEP(x) (void)0
+#endif
+
+// Row vectors of the backward sweep and the recompute per step of its row loop (independent
+// accumulators per step; more would not fit the register file with the per-row inputs).
+// The recompute holds three row vectors per step (a, k, the next a k) and no accumulators, so
+// it takes more rows per step: fewer read-modify-writes of the column partials Z.
+#if defined(__AVX512F__)
+constexpr int kRowVecs = 2;
+constexpr int kRecVecs = 4;
+#else
+constexpr int kRowVecs = 1;
+constexpr int kRecVecs = 2;
+#endif
+
+// Z[j] (+)= sum over the NB row vectors from ib of c_i S[i, j]: the lane partials of a column sum.
+template <typename T, int NB>
+inline void col_partials(vec_t<T>* Z, const vec_t<T>* S, const T* c, int64_t K, int64_t KV,
+                         int64_t ib, int64_t width) {
+  using V = vec_t<T>;
+  constexpr int64_t L = kLanes<T>;
+  V cv[NB];
+  for (int b = 0; b < NB; ++b) cv[b] = load_cols(c + (ib + b) * L, K - (ib + b) * L);
+  for (int64_t j = 0; j < width; ++j) {
+    V z = cv[0] * S[j * KV + ib];
+#pragma GCC unroll 4
+    for (int b = 1; b < NB; ++b) z += cv[b] * S[j * KV + ib + b];
+    Z[j] = ib == 0 ? z : Z[j] + z;
+  }
+}
+
+// One recomputed token of a transposed slice, rows [ib, ib + NB vectors):
+//   Sout[i, j] = a_i Sin[i, j] + k_i u_j,   Z[j] (+)= lane partials of sum_i akn_i Sout[i, j]
+// (the next token's read S'^T k).
+template <typename T, int NB>
+inline void write_rows_tr(vec_t<T>* Sout, const vec_t<T>* Sin, const T* u, const T* a,
+                          const T* k, const T* akn, int64_t K, int64_t KV, int64_t ib,
+                          int64_t width, vec_t<T>* Z) {
+  using V = vec_t<T>;
+  constexpr int64_t L = kLanes<T>;
+  V av[NB], kv[NB], cv[NB];
+  for (int b = 0; b < NB; ++b) {
+    const int64_t m = K - (ib + b) * L;
+    av[b] = load_cols(a + (ib + b) * L, m);
+    kv[b] = load_cols(k + (ib + b) * L, m);
+    cv[b] = load_cols(akn + (ib + b) * L, m);
+  }
+  for (int64_t j = 0; j < width; ++j) {
+    const V uj = splat<T>(u[j]);
+    V z{};
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) {
+      const V s = av[b] * Sin[j * KV + ib + b] + kv[b] * uj;
+      Sout[j * KV + ib + b] = s;
+      z = b == 0 ? cv[b] * s : z + cv[b] * s;
+    }
+    Z[j] = ib == 0 ? z : Z[j] + z;
+  }
+}
+
+// One token of the backward: its recomputed S_{t-1} (transposed), its rows of the
+// pre-processed inputs, and per column r_t, u_t and do_t (zero past the slice's width).
+template <typename T>
 struct BwdToken {
   const vec_t<T>* Sp;
   const T *at, *kt, *qt;
   T bs;
-  vec_t<T> r[NV], u[NV], dov[NV];
+  alignas(64) T r[kBwdSlice];
+  alignas(64) T u[kBwdSlice];
+  alignas(64) T dov[kBwdSlice];
 };
 
-// One sweep over the K rows of a slice (bwd_chunk): pass 2 of token c (with its delta; writes
-// the per-row products Wq, Wk, Wg of row_grads) and/or pass 1 of token n (returns its delta in
-// delta_n). Rows run in blocks of kRows with one accumulator each (a fixed order: deterministic).
-template <typename T, int NV, bool Pass2, bool Pass1>
-inline void bwd_rows(vec_t<T>* Hs, int64_t K, const BwdToken<T, NV>& c,
-                     const BwdToken<T, NV>& n, const vec_t<T> (&delta)[NV], vec_t<T>* Wq,
-                     vec_t<T>* Wk, vec_t<T>* Wg, vec_t<T> (&delta_n)[NV]) {
+// The per-column values of one token's pass 2 (bwd_rows_tr): delta and beta delta.
+template <typename T>
+struct BwdCols {
+  alignas(64) T delta[kBwdSlice];
+  alignas(64) T bdelta[kBwdSlice];
+};
+
+// Where bwd_rows_tr writes token c's row gradients: partial p's rows of dq, dk, dg (store when
+// first, else add), and u.do of the token.
+template <typename T>
+struct RowGradOut {
+  T *dq, *dk, *dg;
+  T udo;
+  bool first;
+};
+
+// Rows [ib, ib + NB vectors) of one sweep over a transposed slice (bwd_chunk): pass 2 of token c
+// and/or pass 1 of token n. With P = S_{t-1}[i, :] and D = H + q do^T of token c:
+//   pass 2: H_{t-1}[i, j] = a_i (D - beta k_i delta_j), and per row, summed over the columns,
+//           P.do, D.u, P.delta, H_{t-1}.P, giving (docs/math.md "Backward")
+//           dq_i = a_i (P.do) + k_i (u.do),  dk_i = D.u - beta a_i (P.delta),  dg_i = H_{t-1}.P
+//   pass 1: D' = H_{t-1} + q' do'^T of token n (stored back) and Z[j] (+)= lane partials of
+//           sum_i k'_i D'[i, j] (its delta).
+template <typename T, int NB, bool Pass2, bool Pass1>
+inline void bwd_rows_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t ib, int64_t width,
+                        const BwdToken<T>& c, const BwdCols<T>& cc, const BwdToken<T>& n,
+                        vec_t<T>* Z, const RowGradOut<T>& g) {
   using V = vec_t<T>;
-  V dacc[kRows][NV] = {};
-  // beta folded into delta once per token, not into k_i and a_i per row: a per-row
-  // splat(beta * x_i) was a scalar multiply and a register broadcast (a shuffle-port uop under
-  // AVX-512, the port the row reductions need); splat(x_i) is a load.
-  const V bs = splat<T>(c.bs);
-  V bdelta[NV] = {};
-  if constexpr (Pass2) {
-    for (int cc = 0; cc < NV; ++cc) bdelta[cc] = bs * delta[cc];
-  }
-  auto row = [&](int64_t ii, V (&acc)[NV]) {
-    V Hc[NV];
+  constexpr int64_t L = kLanes<T>;
+  V av[NB], kv[NB], kn[NB], qn[NB];
+  V w0[NB] = {}, w1[NB] = {}, w2[NB] = {}, w3[NB] = {};
+  for (int b = 0; b < NB; ++b) {
+    const int64_t m = K - (ib + b) * L;
     if (Pass2) {
-      const V av = splat<T>(c.at[ii]);
-      const V kv = splat<T>(c.kt[ii]);
-      V w0{}, w1{}, w2{}, w3{};
-#pragma GCC unroll 4
-      for (int cc = 0; cc < NV; ++cc) {
-        const V D = Hs[ii * NV + cc];
-        const V P = c.Sp[ii * NV + cc];
-        const V Hn = av * (D - kv * bdelta[cc]);
-        w0 += P * c.dov[cc];
-        w1 += D * c.u[cc];
-        w2 += P * delta[cc];
-        w3 += Hn * P;
-        Hc[cc] = Hn;
-      }
-      Wq[ii] = w0;
-      Wk[ii] = w1 - av * (bs * w2);
-      Wg[ii] = w3;
-    } else {
-#pragma GCC unroll 4
-      for (int cc = 0; cc < NV; ++cc) Hc[cc] = Hs[ii * NV + cc];
+      av[b] = load_cols(c.at + (ib + b) * L, m);
+      kv[b] = load_cols(c.kt + (ib + b) * L, m);
     }
     if (Pass1) {
-      const V kv = splat<T>(n.kt[ii]), qv = splat<T>(n.qt[ii]);
+      kn[b] = load_cols(n.kt + (ib + b) * L, m);
+      qn[b] = load_cols(n.qt + (ib + b) * L, m);
+    }
+  }
+  for (int64_t j = 0; j < width; ++j) {
+    V Hn[NB];
+    if (Pass2) {
+      const V doj = splat<T>(c.dov[j]), uj = splat<T>(c.u[j]), dj = splat<T>(cc.delta[j]);
+      const V bdj = splat<T>(cc.bdelta[j]);
 #pragma GCC unroll 4
-      for (int cc = 0; cc < NV; ++cc) {
-        const V D = Hc[cc] + qv * n.dov[cc];
-        Hs[ii * NV + cc] = D;
-        acc[cc] += kv * D;
+      for (int b = 0; b < NB; ++b) {
+        V D = Hs[j * KV + ib + b];
+        V P = c.Sp[j * KV + ib + b];
+        KDA_KEEP(D);
+        KDA_KEEP(P);
+        Hn[b] = av[b] * (D - kv[b] * bdj);
+        w0[b] += P * doj;
+        w1[b] += D * uj;
+        w2[b] += P * dj;
+        w3[b] += Hn[b] * P;
       }
     } else {
 #pragma GCC unroll 4
-      for (int cc = 0; cc < NV; ++cc) Hs[ii * NV + cc] = Hc[cc];
+      for (int b = 0; b < NB; ++b) Hn[b] = Hs[j * KV + ib + b];
     }
-  };
-  int64_t i = 0;
-  for (; i + kRows <= K; i += kRows) {
+    if (Pass1) {
+      const V donj = splat<T>(n.dov[j]);
+      V z{};
 #pragma GCC unroll 4
-    for (int rr = 0; rr < kRows; ++rr) row(i + rr, dacc[rr]);
+      for (int b = 0; b < NB; ++b) {
+        const V D = Hn[b] + qn[b] * donj;
+        Hs[j * KV + ib + b] = D;
+        z = b == 0 ? kn[b] * D : z + kn[b] * D;
+      }
+      Z[j] = ib == 0 ? z : Z[j] + z;
+    } else {
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) Hs[j * KV + ib + b] = Hn[b];
+    }
   }
-  for (; i < K; ++i) row(i, dacc[0]);
-  if (Pass1) {
-    for (int cc = 0; cc < NV; ++cc) {
-      V sum = dacc[0][cc];
-      for (int rr = 1; rr < kRows; ++rr) sum += dacc[rr][cc];
-      delta_n[cc] = sum;
+  if (Pass2) {
+    const V udo = splat<T>(g.udo), bs = splat<T>(c.bs);
+    for (int b = 0; b < NB; ++b) {
+      const int64_t i0 = (ib + b) * L, m = K - i0;
+      V gq = av[b] * w0[b] + kv[b] * udo;
+      V gk = w1[b] - av[b] * (bs * w2[b]);
+      V gg = w3[b];
+      if (!g.first) {
+        gq += load_cols(g.dq + i0, m);
+        gk += load_cols(g.dk + i0, m);
+        gg += load_cols(g.dg + i0, m);
+      }
+      store_cols(g.dq + i0, gq, m);
+      store_cols(g.dk + i0, gk, m);
+      store_cols(g.dg + i0, gg, m);
     }
   }
 }
 
+// One sweep over all rows of a transposed slice, kRowVecs row vectors per step (then one).
+template <typename T, bool Pass2, bool Pass1>
+inline void bwd_sweep_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t width,
+                         const BwdToken<T>& c, const BwdCols<T>& cc, const BwdToken<T>& n,
+                         vec_t<T>* Z, const RowGradOut<T>& g) {
+  int64_t ib = 0;
+  for (; ib + kRowVecs <= KV; ib += kRowVecs) {
+    bwd_rows_tr<T, kRowVecs, Pass2, Pass1>(Hs, K, KV, ib, width, c, cc, n, Z, g);
+  }
+  for (; ib < KV; ++ib) bwd_rows_tr<T, 1, Pass2, Pass1>(Hs, K, KV, ib, width, c, cc, n, Z, g);
+}
+
 // Backward of chunk c of sequence n for one slice of columns [j0, j0 + width): recompute the
 // chunk's states from its checkpoint, then run the backward recurrence over it, last token first.
-// Buffers: Sbuf kChunk states, rbuf kChunk reads S'^T k (both reused), Hs the slice's running
-// gradient of the state (carried between chunks), W per-row partial products.
-template <typename T, int NV>
+// Buffers (transposed slices of KV vectors per column): Sbuf kChunk states, rbuf kChunk reads
+// S'^T k (kBwdSlice columns each; both reused), Hs the slice's running gradient of the state
+// (carried between chunks), Z one vector per column (lane partials of the column sums).
+template <typename T>
 void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t width, int64_t p,
-               bool first, int64_t c, vec_t<T>* Sbuf, vec_t<T>* rbuf, vec_t<T>* Hs,
-               const T* zeros, vec_t<T>* W) {
+               bool first, int64_t c, vec_t<T>* Sbuf, T* rbuf, vec_t<T>* Hs, vec_t<T>* Z) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
+  constexpr int64_t NC = kBwdSlice / L;  // column vectors of a slice
   const int64_t K = A.K, Vd = A.V, H = A.H, HV = A.HV;
+  const int64_t Kp = padded_rows(K), KV = Kp / L, SS = kBwdSlice * KV;
   const int64_t h = hv / (HV / H);
   const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
   const int64_t origin = A.seqs.origin[n], slot_base = A.seqs.slot_base[n];
@@ -831,120 +961,129 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   const int64_t state_off = (n * HV + hv) * K * Vd + j0;  // in [N, HV, K, V]
   const int64_t ckpt_off = hv * K * Vd + j0;               // in one slot of [slots, HV, K, V]
   const int64_t slot_stride = HV * K * Vd;
-  const int64_t KN = K * NV;
   // Rows of the pre-processed block arrays at the local token index (t - sh).
   const T* a_h = A.a + (hv * A.BT - sh) * K;
   const T* ak_h = A.ak + (hv * A.BT - sh) * K;
   const T* k_h = A.k + (h * A.BT - sh) * K;
   const T* q_h = A.q + (h * A.BT - sh) * K;
   const T* b_h = A.beta + hv * A.BT - sh;
+  T* const Sb = reinterpret_cast<T*>(Sbuf);
 
+  const int64_t s0 = imax(ts, origin + c * kChunk);
+  const int64_t e = imin(te, origin + (c + 1) * kChunk);
+  // Recompute the states S_{t-1} (t in [s0, e)) and the reads r_t of the chunk.
+  if (s0 == ts) {
+    load_slice_tr<T>(Sb, A.h0 ? A.h0 + state_off : nullptr, K, Vd, width);
+  } else {
+    load_slice_tr<T>(Sb, A.ckpt + (slot_base + c) * slot_stride + ckpt_off, K, Vd, width);
+  }
   {
-    {
-      const int64_t s0 = imax(ts, origin + c * kChunk);
-      const int64_t e = imin(te, origin + (c + 1) * kChunk);
-      // Recompute the states S_{t-1} (t in [s0, e)) and the reads r_t of the chunk.
-      if (s0 == ts) {
-        load_slice<T, NV>(Sbuf, A.h0 ? A.h0 + state_off : nullptr, K, Vd, width);
-      } else {
-        load_slice<T, NV>(Sbuf, A.ckpt + (slot_base + c) * slot_stride + ckpt_off, K, Vd, width);
+    int64_t ib = 0;
+    for (; ib + kRecVecs <= KV; ib += kRecVecs) {
+      col_partials<T, kRecVecs>(Z, Sbuf, ak_h + s0 * K, K, KV, ib, width);
+    }
+    for (; ib < KV; ++ib) col_partials<T, 1>(Z, Sbuf, ak_h + s0 * K, K, KV, ib, width);
+    lane_sums<T>(rbuf, Z, width);
+  }
+  for (int64_t t = s0; t + 1 < e; ++t) {
+    const int64_t slot = t - s0;
+    if (t + kPrefetchTokens < e) {
+      prefetch_cols(A.v + ((t + kPrefetchTokens) * HV + hv) * Vd + j0, width, false);
+    }
+    const V b = splat<T>(b_h[t]);
+    const T* vt = A.v + (t * HV + hv) * Vd + j0;
+    alignas(64) T u[kBwdSlice];
+    for (int cc = 0; cc < NC; ++cc) {
+      const V r = load_cols(rbuf + slot * kBwdSlice + cc * L, width - cc * L);
+      store_cols(u + cc * L, b * (load_cols(vt + cc * L, width - cc * L) - r), L);
+    }
+    V* Sout = Sbuf + (slot + 1) * SS;
+    const V* Sin = Sbuf + slot * SS;
+    const T *at = a_h + t * K, *kt = k_h + t * K, *akn = ak_h + (t + 1) * K;
+    int64_t ib = 0;
+    for (; ib + kRecVecs <= KV; ib += kRecVecs) {
+      write_rows_tr<T, kRecVecs>(Sout, Sin, u, at, kt, akn, K, KV, ib, width, Z);
+    }
+    for (; ib < KV; ++ib) write_rows_tr<T, 1>(Sout, Sin, u, at, kt, akn, K, KV, ib, width, Z);
+    lane_sums<T>(rbuf + (slot + 1) * kBwdSlice, Z, width);
+  }
+
+  // Backward through the chunk, last token first. Pass 2 of token t and pass 1 of token t - 1
+  // run in one sweep over the slice (bwd_rows_tr): H_{t-1} goes from one to the other in
+  // registers, and each recomputed state is read once.
+  BwdToken<T> tok[2];
+  auto load_token = [&](int64_t t, BwdToken<T>& tk) {
+    const int64_t slot = t - s0;
+    tk.Sp = Sbuf + slot * SS;  // S_{t-1}
+    tk.at = a_h + t * K;
+    tk.kt = k_h + t * K;
+    tk.qt = q_h + t * K;
+    tk.bs = b_h[t];
+    const V b = splat<T>(tk.bs);
+    const T* dot = A.dout + (t * HV + hv) * Vd + j0;
+    const T* vt = A.v + (t * HV + hv) * Vd + j0;
+    for (int cc = 0; cc < NC; ++cc) {
+      // r_t = v_t - S'^T k (rbuf holds the read S'^T k), u_t = beta r_t
+      const int64_t m = width - cc * L;
+      const V r = load_cols(vt + cc * L, m) - load_cols(rbuf + slot * kBwdSlice + cc * L, m);
+      store_cols(tk.r + cc * L, r, L);
+      store_cols(tk.u + cc * L, b * r, L);
+      store_cols(tk.dov + cc * L, load_cols(dot + cc * L, m), L);
+    }
+  };
+  int ci = 0;
+  load_token(e - 1, tok[ci]);
+  BwdCols<T> cols;
+  const RowGradOut<T> none{nullptr, nullptr, nullptr, T(0), true};
+  bwd_sweep_tr<T, false, true>(Hs, K, KV, width, tok[ci], cols, tok[ci], Z, none);
+  lane_sums<T>(cols.delta, Z, width);
+  for (int64_t j = width; j < kBwdSlice; ++j) cols.delta[j] = T(0);
+  // The checkpoint of the chunk before (this slice's next chunk), a few rows per token, so that
+  // its load at the start of that chunk hits the cache.
+  const T* ck_prev =
+      s0 > ts && A.ckpt ? A.ckpt + (slot_base + c - 1) * slot_stride + ckpt_off : nullptr;
+  const int64_t ck_rows = (K + kChunk - 1) / kChunk;
+  for (int64_t t = e - 1; t >= s0; --t) {
+    const BwdToken<T>& cur = tok[ci];
+    BwdToken<T>& nxt = tok[ci ^ 1];
+    const V b = splat<T>(cur.bs);
+    if (t - kPrefetchTokens >= s0) {
+      const int64_t tp = t - kPrefetchTokens;
+      prefetch_cols(A.dout + (tp * HV + hv) * Vd + j0, width, false);
+      prefetch_cols(A.dv + (tp * HV + hv) * Vd + j0, width, true);
+    }
+    if (ck_prev) {
+      for (int64_t i = (t - s0) * ck_rows; i < imin(K, (t - s0 + 1) * ck_rows); ++i) {
+        prefetch_cols(ck_prev + i * Vd, width, false);
       }
-      V r[NV];
-      decayed_key_read<T, NV>(r, Sbuf, ak_h + s0 * K, K);
-      for (int64_t t = s0; t < e; ++t) {
-        const int64_t slot = t - s0;
-        for (int cc = 0; cc < NV; ++cc) rbuf[slot * NV + cc] = r[cc];
-        if (t + 1 == e) break;
-        if (t + kPrefetchTokens < e) {
-          prefetch_cols(A.v + ((t + kPrefetchTokens) * HV + hv) * Vd + j0, width, false);
-        }
-        const V b = splat<T>(b_h[t]);
-        const T* vt = A.v + (t * HV + hv) * Vd + j0;
-        V u[NV];
-        for (int cc = 0; cc < NV; ++cc) u[cc] = b * (load_cols(vt + cc * L, width - cc * L) - r[cc]);
-        V unused[NV];
-        write_step<T, NV, false>(Sbuf + (slot + 1) * KN, Sbuf + slot * KN, u,
-                                 a_h + t * K, k_h + t * K, zeros,
-                                 ak_h + (t + 1) * K, K, unused, r);
-      }
-      // Backward through the chunk, last token first. With P = S_{t-1}[i, :], S'[i] = a_i P,
-      // S_t[i] = a_i P + k_i u, every row quantity is a_i / k_i times a dot product of P, D, u,
-      // do or delta:
-      //   dq_i = a_i (P.do) + k_i (u.do)
-      //   dk_i = D.u - beta a_i (P.delta)
-      //   dg_i = a_i (D.P - beta k_i (P.delta))      (= sum_j E[i,j] S'[i,j])
-      // Pass 1 of token t: D = H + q do^T (kept in Hs) and delta = D^T k.
-      // Pass 2 of token t: H_{t-1} = Diag(a) (D - beta k delta^T), and per row P.do (dq_i),
-      // D.u - beta a_i P.delta (dk_i) and H_{t-1}[i].P (= dg_i): three row reductions, and the
-      // only pass that reads P. Pass 2 of token t and pass 1 of token t - 1 run in one sweep
-      // over the rows: H_{t-1} goes from one to the other in registers, and each recomputed
-      // state is read once (two sweeps per token read Hs twice and P twice).
-      BwdToken<T, NV> cur, nxt;
-      auto load_token = [&](int64_t t, BwdToken<T, NV>& tk) {
-        const int64_t slot = t - s0;
-        tk.Sp = Sbuf + slot * KN;  // S_{t-1}
-        tk.at = a_h + t * K;
-        tk.kt = k_h + t * K;
-        tk.qt = q_h + t * K;
-        tk.bs = b_h[t];
-        const V b = splat<T>(tk.bs);
-        const T* dot = A.dout + (t * HV + hv) * Vd + j0;
-        const T* vt = A.v + (t * HV + hv) * Vd + j0;
-        for (int cc = 0; cc < NV; ++cc) {
-          // r_t = v_t - S'^T k (rbuf holds the read S'^T k), u_t = beta r_t
-          tk.r[cc] = load_cols(vt + cc * L, width - cc * L) - rbuf[slot * NV + cc];
-          tk.u[cc] = b * tk.r[cc];
-          tk.dov[cc] = load_cols(dot + cc * L, width - cc * L);
-        }
-      };
-      load_token(e - 1, cur);
-      V delta[NV];
-      bwd_rows<T, NV, false, true>(Hs, K, cur, cur, delta, nullptr, nullptr, nullptr, delta);
-      // The checkpoint of the chunk before (this slice's next chunk), a few rows per token, so
-      // that its load at the start of that chunk hits the cache.
-      const T* ck_prev = s0 > ts && A.ckpt
-                             ? A.ckpt + (slot_base + c - 1) * slot_stride + ckpt_off
-                             : nullptr;
-      const int64_t ck_rows = (K + kChunk - 1) / kChunk;
-      for (int64_t t = e - 1; t >= s0; --t) {
-        const V b = splat<T>(cur.bs);
-        if (t - kPrefetchTokens >= s0) {
-          const int64_t tp = t - kPrefetchTokens;
-          prefetch_cols(A.dout + (tp * HV + hv) * Vd + j0, width, false);
-          prefetch_cols(A.dv + (tp * HV + hv) * Vd + j0, width, true);
-        }
-        if (ck_prev) {
-          for (int64_t i = (t - s0) * ck_rows; i < imin(K, (t - s0 + 1) * ck_rows); ++i) {
-            prefetch_cols(ck_prev + i * Vd, width, false);
-          }
-        }
-        T* dvt = A.dv + (t * HV + hv) * Vd + j0;
-        V wb[NV], wu[NV];
-        for (int cc = 0; cc < NV; ++cc) {
-          if (width - cc * L > 0) store_cols(dvt + cc * L, b * delta[cc], width - cc * L);
-          wb[cc] = delta[cc] * cur.r[cc];
-          wu[cc] = cur.u[cc] * cur.dov[cc];
-        }
-        const T dbt = hsum_n<T, NV>(wb);
-        const T udo = hsum_n<T, NV>(wu);
-        T* dbp = A.dbeta + p * A.group_stride_beta + (t - sh) * HV + hv;
-        *dbp = first ? dbt : *dbp + dbt;
-        V delta_next[NV];
-        if (t > s0) {
-          load_token(t - 1, nxt);
-          bwd_rows<T, NV, true, true>(Hs, K, cur, nxt, delta, W, W + K, W + 2 * K, delta_next);
-        } else {
-          bwd_rows<T, NV, true, false>(Hs, K, cur, cur, delta, W, W + K, W + 2 * K, delta_next);
-        }
-        const int64_t row = ((t - sh) * HV + hv) * K;
-        row_grads<T>(A.dq + p * A.group_stride + row, A.dk + p * A.group_stride + row,
-                     A.dg + p * A.group_stride + row, W, W + K, W + 2 * K, cur.at, cur.kt, udo,
-                     K, first);
-        if (t > s0) {
-          cur = nxt;
-          for (int cc = 0; cc < NV; ++cc) delta[cc] = delta_next[cc];
-        }
-      }
+    }
+    T* dvt = A.dv + (t * HV + hv) * Vd + j0;
+    V wb[NC], wu[NC];
+    for (int cc = 0; cc < NC; ++cc) {
+      const V dl = load_cols(cols.delta + cc * L, L);
+      const V bd = b * dl;
+      if (width - cc * L > 0) store_cols(dvt + cc * L, bd, width - cc * L);
+      store_cols(cols.bdelta + cc * L, bd, L);
+      wb[cc] = dl * load_cols(cur.r + cc * L, L);
+      wu[cc] = load_cols(cur.u + cc * L, L) * load_cols(cur.dov + cc * L, L);
+    }
+    const T dbt = hsum_n<T, NC>(wb);
+    RowGradOut<T> g;
+    g.udo = hsum_n<T, NC>(wu);
+    g.first = first;
+    T* dbp = A.dbeta + p * A.group_stride_beta + (t - sh) * HV + hv;
+    *dbp = first ? dbt : *dbp + dbt;
+    const int64_t row = p * A.group_stride + ((t - sh) * HV + hv) * K;
+    g.dq = A.dq + row;
+    g.dk = A.dk + row;
+    g.dg = A.dg + row;
+    if (t > s0) {
+      load_token(t - 1, nxt);
+      bwd_sweep_tr<T, true, true>(Hs, K, KV, width, cur, cols, nxt, Z, g);
+      lane_sums<T>(cols.delta, Z, width);
+      ci ^= 1;
+    } else {
+      bwd_sweep_tr<T, true, false>(Hs, K, KV, width, cur, cols, cur, Z, g);
     }
   }
 }
@@ -960,22 +1099,18 @@ template <typename T>
 void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
               int64_t p, int64_t t0, int64_t t1, T* ws) {
   using V = vec_t<T>;
-  constexpr int64_t L = kLanes<T>;
-  constexpr int64_t NVmax = (kBwdSlice + L - 1) / L;
-  static_assert(NVmax * L == kBwdSlice, "a slice is a whole number of vectors");
+  static_assert(kBwdSlice % kLanes<T> == 0, "a slice is a whole number of vectors");
   const int64_t K = A.K, Vd = A.V, HV = A.HV;
+  const int64_t Kp = padded_rows(K), SS = kBwdSlice * Kp;  // elements of a transposed slice
   const int64_t n_sl = s_end - s_begin;
   const int64_t te = A.seqs.seq_end[n];
   const int64_t origin = A.seqs.origin[n];
   const int64_t state_base = (n * HV + hv) * K * Vd;  // in [N, HV, K, V]
   // The caller's scratch, in the order of bwd_scratch_elems.
-  V* const Sbuf = reinterpret_cast<V*>(ws);
-  V* const rbuf = Sbuf + kChunk * K * NVmax;
-  V* const Hs = rbuf + kChunk * NVmax;
-  V* const W = Hs + n_sl * K * NVmax;  // per-row partial products (row_grads)
-  T* const zeros = ws + kChunk * K * kBwdSlice + kChunk * kBwdSlice + n_sl * K * kBwdSlice +
-                   3 * K * 16;
-  for (int64_t i = 0; i < K; ++i) zeros[i] = T(0);
+  T* const Sbuf = ws;
+  T* const rbuf = Sbuf + kChunk * SS;
+  T* const Hs = rbuf + kChunk * kBwdSlice;
+  T* const Z = Hs + n_sl * SS;
   auto slice = [&](int64_t i, int64_t& j0, int64_t& width) {
     j0 = (s_begin + i) * kBwdSlice;
     width = imin(kBwdSlice, Vd - j0);
@@ -984,8 +1119,7 @@ void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   for (int64_t i = 0; i < n_sl; ++i) {
     int64_t j0, width;
     slice(i, j0, width);
-    // Padded columns stay zero; NVmax-wide rows work for any width (zero padding).
-    load_slice<T, NVmax>(Hs + i * K * NVmax, src ? src + state_base + j0 : nullptr, K, Vd, width);
+    load_slice_tr<T>(Hs + i * SS, src ? src + state_base + j0 : nullptr, K, Vd, width);
   }
   if (t0 < t1) {
     const int64_t c_first = (t0 - origin) / kChunk;
@@ -994,20 +1128,17 @@ void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
       for (int64_t i = 0; i < n_sl; ++i) {
         int64_t j0, width;
         slice(i, j0, width);
-        // The slice's Hs rows are NVmax wide: the NVmax variant (zero padding) for every width
-        // keeps the layout of Hs fixed.
-        bwd_chunk<T, static_cast<int>(NVmax)>(A, n, hv, j0, width, p, i == 0, c, Sbuf, rbuf,
-                                               Hs + i * K * NVmax, zeros, W);
+        bwd_chunk<T>(A, n, hv, j0, width, p, i == 0, c, reinterpret_cast<V*>(Sbuf), rbuf,
+                     reinterpret_cast<V*>(Hs + i * SS), reinterpret_cast<V*>(Z));
       }
     }
   }
   for (int64_t i = 0; i < n_sl; ++i) {
     int64_t j0, width;
     slice(i, j0, width);
-    store_slice<T, NVmax>(A.dh0 + state_base + j0, Hs + i * K * NVmax, K, Vd, width);
+    store_slice_tr<T>(A.dh0 + state_base + j0, Hs + i * SS, K, Vd, width);
   }
 }
-
 const Table kTable = {
     KDA_ISA_NAME,
     &prep_tokens<float>,

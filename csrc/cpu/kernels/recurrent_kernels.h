@@ -136,13 +136,14 @@ constexpr int64_t fwd_scratch_elems(int64_t K, int64_t n_slices) {
   return n_slices * (K * kFwdSlice + kFwdSlice) + (K + 15) / 16 * 16;
 }
 
-// Scratch of one backward call (elements of the compute type): the recomputed states of a chunk
-// (kChunk x K x kBwdSlice), their reads (kChunk x kBwdSlice), the running state gradient of every
-// slice (K x kBwdSlice each), the per-row partial products (3 K vectors of at most 64 bytes), K
-// zeros; multiples of 16 elements (64-byte aligned parts).
+// Scratch of one backward call (elements of the compute type). The backward keeps its slices
+// transposed (kBwdSlice columns of Kp elements, Kp = K rounded up to 16; see bwd_chunk): the
+// recomputed states of a chunk (kChunk slices), their reads (kChunk x kBwdSlice), the running state
+// gradient of every slice, one vector (at most 64 bytes) per column for the column sums;
+// multiples of 16 elements (64-byte aligned parts).
 constexpr int64_t bwd_scratch_elems(int64_t K, int64_t n_slices) {
-  return kChunk * K * kBwdSlice + kChunk * kBwdSlice + n_slices * K * kBwdSlice + 3 * K * 16 +
-         (K + 15) / 16 * 16;
+  return (kChunk + n_slices) * kBwdSlice * ((K + 15) / 16 * 16) + kChunk * kBwdSlice +
+         kBwdSlice * 16;
 }
 
 // What the pre-processing pass found outside the domain where the recurrence is defined

@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "cpu/chunk_products.h"
+#include "cpu/clones.h"
 #include "cpu/kernels/recurrent_kernels.h"
 
 namespace kda {
@@ -52,14 +53,8 @@ template <>
 constexpr double kMinBlockDecay<double> = 2.6503965530043108e-261;  // e^-600
 
 // The elementwise loops of the chunk code (decay products, factors, transposes, the backward's
-// pair loops) are compiled for AVX2+FMA and AVX-512 besides the baseline, chosen at load time
-// (GCC/Clang function multi-versioning); the GEMMs pick their own kernels. One machine always
-// runs the same clone, so results stay bitwise reproducible there.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__APPLE__)
-#define KDA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define KDA_CLONES
-#endif
+// pair loops) are compiled per instruction set (KDA_CLONES, csrc/cpu/clones.h); the GEMMs pick
+// their own kernels.
 
 // C[M, N] = A[M, Kd] B[Kd, N] (+ C[M, N] when add), row-major with leading dimensions (elements).
 // float: ATen's cpublas::brgemm (oneDNN micro-kernels; fp32 products, fp32 accumulation);

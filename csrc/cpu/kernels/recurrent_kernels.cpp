@@ -824,7 +824,10 @@ inline void write_rows_tr(vec_t<T>* Sout, const vec_t<T>* Sin, const T* u, const
 // pre-processed inputs, and per column r_t, u_t and do_t (zero past the slice's width).
 template <typename T>
 struct BwdToken {
+  // S_{t-1}, or with derive S_{t-2}: the sweep then forms S_{t-1} = a_{t-1} S_{t-2} +
+  // k_{t-1} u_{t-1}^T from the previous token's rows (the chunk buffer keeps every other state).
   const vec_t<T>* Sp;
+  bool derive;
   const T *at, *kt, *qt;
   T bs;
   alignas(64) T r[kBwdSlice];
@@ -849,19 +852,20 @@ struct RowGradOut {
 };
 
 // Rows [ib, ib + NB vectors) of one sweep over a transposed slice (bwd_chunk): pass 2 of token c
-// and/or pass 1 of token n. With P = S_{t-1}[i, :] and D = H + q do^T of token c:
+// and/or pass 1 of token n (Derive: c.Sp holds S_{t-2}, and P = a'_i S_{t-2}[i, :] + k'_i u'
+// with token n's rows). With P = S_{t-1}[i, :] and D = H + q do^T of token c:
 //   pass 2: H_{t-1}[i, j] = a_i (D - beta k_i delta_j), and per row, summed over the columns,
 //           P.do, D.u, P.delta, H_{t-1}.P, giving (docs/math.md "Backward")
 //           dq_i = a_i (P.do) + k_i (u.do),  dk_i = D.u - beta a_i (P.delta),  dg_i = H_{t-1}.P
 //   pass 1: D' = H_{t-1} + q' do'^T of token n (stored back) and Z[j] (+)= lane partials of
 //           sum_i k'_i D'[i, j] (its delta).
-template <typename T, int NB, bool Pass2, bool Pass1>
+template <typename T, int NB, bool Pass2, bool Pass1, bool Derive>
 inline void bwd_rows_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t ib, int64_t width,
                         const BwdToken<T>& c, const BwdCols<T>& cc, const BwdToken<T>& n,
                         vec_t<T>* Z, const RowGradOut<T>& g) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
-  V av[NB], kv[NB], kn[NB], qn[NB];
+  V av[NB], kv[NB], kn[NB], qn[NB], an[NB];
   V w0[NB] = {}, w1[NB] = {}, w2[NB] = {}, w3[NB] = {};
   for (int b = 0; b < NB; ++b) {
     const int64_t m = K - (ib + b) * L;
@@ -873,16 +877,20 @@ inline void bwd_rows_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t ib, int64_t
       kn[b] = load_cols(n.kt + (ib + b) * L, m);
       qn[b] = load_cols(n.qt + (ib + b) * L, m);
     }
+    if (Derive) an[b] = load_cols(n.at + (ib + b) * L, m);
   }
   for (int64_t j = 0; j < width; ++j) {
     V Hn[NB];
     if (Pass2) {
       const V doj = splat<T>(c.dov[j]), uj = splat<T>(c.u[j]), dj = splat<T>(cc.delta[j]);
       const V bdj = splat<T>(cc.bdelta[j]);
+      V unj{};
+      if (Derive) unj = splat<T>(n.u[j]);
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
         V D = Hs[j * KV + ib + b];
         V P = c.Sp[j * KV + ib + b];
+        if (Derive) P = an[b] * P + kn[b] * unj;
         KDA_KEEP(D);
         KDA_KEEP(P);
         Hn[b] = av[b] * (D - kv[b] * bdj);
@@ -930,20 +938,32 @@ inline void bwd_rows_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t ib, int64_t
 }
 
 // One sweep over all rows of a transposed slice, kRowVecs row vectors per step (then one).
+template <typename T, bool Pass2, bool Pass1, bool Derive>
+inline void bwd_sweep_rows(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t width,
+                           const BwdToken<T>& c, const BwdCols<T>& cc, const BwdToken<T>& n,
+                           vec_t<T>* Z, const RowGradOut<T>& g) {
+  int64_t ib = 0;
+  for (; ib + kRowVecs <= KV; ib += kRowVecs) {
+    bwd_rows_tr<T, kRowVecs, Pass2, Pass1, Derive>(Hs, K, KV, ib, width, c, cc, n, Z, g);
+  }
+  for (; ib < KV; ++ib) bwd_rows_tr<T, 1, Pass2, Pass1, Derive>(Hs, K, KV, ib, width, c, cc, n, Z, g);
+}
+
+// A sweep that derives c's state S_{t-1} (c.derive) needs token n = t - 1: pass 1 runs with it.
 template <typename T, bool Pass2, bool Pass1>
 inline void bwd_sweep_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t width,
                          const BwdToken<T>& c, const BwdCols<T>& cc, const BwdToken<T>& n,
                          vec_t<T>* Z, const RowGradOut<T>& g) {
-  int64_t ib = 0;
-  for (; ib + kRowVecs <= KV; ib += kRowVecs) {
-    bwd_rows_tr<T, kRowVecs, Pass2, Pass1>(Hs, K, KV, ib, width, c, cc, n, Z, g);
+  if constexpr (Pass2 && Pass1) {
+    if (c.derive) return bwd_sweep_rows<T, true, true, true>(Hs, K, KV, width, c, cc, n, Z, g);
   }
-  for (; ib < KV; ++ib) bwd_rows_tr<T, 1, Pass2, Pass1>(Hs, K, KV, ib, width, c, cc, n, Z, g);
+  bwd_sweep_rows<T, Pass2, Pass1, false>(Hs, K, KV, width, c, cc, n, Z, g);
 }
 
 // Backward of chunk c of sequence n for one slice of columns [j0, j0 + width): recompute the
 // chunk's states from its checkpoint, then run the backward recurrence over it, last token first.
-// Buffers (transposed slices of KV vectors per column): Sbuf kChunk states, rbuf kChunk reads
+// Buffers (transposed slices of KV vectors per column): Sbuf the chunk's states (every other
+// one, see state() below), rbuf kChunk reads
 // S'^T k (kBwdSlice columns each; both reused), Hs the slice's running gradient of the state
 // (carried between chunks), Z one vector per column (lane partials of the column sums).
 template <typename T>
@@ -968,6 +988,13 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   const T* q_h = A.q + (h * A.BT - sh) * K;
   const T* b_h = A.beta + hv * A.BT - sh;
   T* const Sb = reinterpret_cast<T*>(Sbuf);
+  // State m of the chunk (S_{s0 - 1 + m}): the even ones in the chunk buffer, the odd one being
+  // recomputed in one more slot (it stays in L1), and the sweep derives the odd ones again from
+  // the even ones (bwd_rows_tr, Derive). The buffer lives in L2 (1 MB for 64 states), and its
+  // traffic (each state written, read for ownership and written back, then read by the sweep)
+  // was ~24% of the kernel's time on the 2-core Xeon; two more FMAs per element on every other
+  // token cost less.
+  auto state = [&](int64_t m) { return Sbuf + (m % 2 == 0 ? m / 2 : kChunk - 1) * SS; };
 
   const int64_t s0 = imax(ts, origin + c * kChunk);
   const int64_t e = imin(te, origin + (c + 1) * kChunk);
@@ -997,8 +1024,8 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
       const V r = load_cols(rbuf + slot * kBwdSlice + cc * L, width - cc * L);
       store_cols(u + cc * L, b * (load_cols(vt + cc * L, width - cc * L) - r), L);
     }
-    V* Sout = Sbuf + (slot + 1) * SS;
-    const V* Sin = Sbuf + slot * SS;
+    V* Sout = state(slot + 1);
+    const V* Sin = state(slot);
     const T *at = a_h + t * K, *kt = k_h + t * K, *akn = ak_h + (t + 1) * K;
     int64_t ib = 0;
     for (; ib + kRecVecs <= KV; ib += kRecVecs) {
@@ -1014,7 +1041,8 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   BwdToken<T> tok[2];
   auto load_token = [&](int64_t t, BwdToken<T>& tk) {
     const int64_t slot = t - s0;
-    tk.Sp = Sbuf + slot * SS;  // S_{t-1}
+    tk.derive = slot % 2 != 0;
+    tk.Sp = state(slot - (tk.derive ? 1 : 0));  // S_{t-1}, or S_{t-2} to derive it from
     tk.at = a_h + t * K;
     tk.kt = k_h + t * K;
     tk.qt = q_h + t * K;

@@ -8,7 +8,7 @@
 // built here as one std::string (numbers through snprintf, never a stream) and TORCH_CHECK only
 // receives that string. The text is the one c10::str would have made: integers in decimal,
 // floating-point numbers as "%g" (an ostream's default), bool as 1 / 0, ScalarType and Device
-// by their names.
+// by their names; sizes go through shape_str.
 //
 // Use KDA_CHECK / KDA_CHECK_VALUE / KDA_CHECK_TYPE / KDA_WARN instead of the TORCH_ macros; as
 // with those, the message is only formatted when the check fails.
@@ -21,7 +21,6 @@
 
 #include <cstdio>
 #include <string>
-#include <string_view>
 #include <type_traits>
 
 namespace kda {
@@ -38,13 +37,10 @@ inline std::string shape_str(c10::IntArrayRef sizes) {
 }
 
 inline void append_part(std::string& s, const std::string& x) { s += x; }
-inline void append_part(std::string& s, std::string_view x) { s.append(x.data(), x.size()); }
 inline void append_part(std::string& s, const char* x) { s += x; }
-inline void append_part(std::string& s, char x) { s += x; }
-inline void append_part(std::string& s, bool x) { s += x ? '1' : '0'; }
+inline void append_part(std::string& s, char x) { s += x; }  // a character, not its code
 inline void append_part(std::string& s, c10::ScalarType x) { s += c10::toString(x); }
 inline void append_part(std::string& s, const c10::Device& x) { s += x.str(); }
-inline void append_part(std::string& s, c10::IntArrayRef x) { s += shape_str(x); }
 template <typename N, typename = std::enable_if_t<std::is_arithmetic_v<N>>>
 void append_part(std::string& s, N x) {
   if constexpr (std::is_floating_point_v<N>) {

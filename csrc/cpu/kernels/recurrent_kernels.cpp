@@ -96,16 +96,7 @@ inline void store_cols(T* p, const vec_t<T>& x, int64_t m) {
   }
 }
 
-// Sum of the lanes of x, as a balanced tree (fixed order: deterministic).
-template <typename T>
-inline T hsum(const vec_t<T>& x) {
-  T b[kLanes<T>];
-  std::memcpy(b, &x, sizeof(b));
-  for (int64_t w = kLanes<T> / 2; w >= 1; w /= 2) {
-    for (int64_t l = 0; l < w; ++l) b[l] += b[l + w];
-  }
-  return b[0];
-}
+#include "cpu/kernels/lane_reduce.h"  // hsum, transpose_reduce, lane_sums (fixed-order lane sums)
 
 template <typename T, int NV>
 inline vec_t<T> vsum_n(const vec_t<T> (&x)[NV]) {
@@ -119,102 +110,6 @@ inline T hsum_n(const vec_t<T> (&x)[NV]) {
   return hsum<T>(vsum_n<T, NV>(x));
 }
 
-// Lane sums of L = kLanes consecutive vectors w[0..L) (the backward's column partials), returned
-// as one vector in order: a transposing tree of shuffles and adds (about 3 operations per vector
-// instead of a full horizontal sum each). Fixed order: deterministic.
-#if defined(__GNUC__) && !defined(__clang__)
-#define KDA_HAVE_TRANSPOSE_REDUCE 1
-template <typename T>
-struct MaskOf;
-template <>
-struct MaskOf<float> {
-  typedef int32_t type __attribute__((vector_size(KDA_VEC_BYTES)));
-};
-template <>
-struct MaskOf<double> {
-  typedef int64_t type __attribute__((vector_size(KDA_VEC_BYTES)));
-};
-
-// Lane masks for one level: a/b take the first/second half of each bs-lane block of X and Y.
-template <typename T>
-inline void level_masks(int64_t bs, typename MaskOf<T>::type& ma, typename MaskOf<T>::type& mb) {
-  constexpr int64_t L = kLanes<T>;
-  int64_t o = 0;
-  for (int64_t m = 0; m < L / bs; ++m) {
-    for (int64_t l = 0; l < bs / 2; ++l, ++o) {
-      ma[2 * m * (bs / 2) + l] = m * bs + l;                      // X block m, first half
-      ma[2 * m * (bs / 2) + bs / 2 + l] = L + m * bs + l;         // Y block m, first half
-      mb[2 * m * (bs / 2) + l] = m * bs + bs / 2 + l;             // X block m, second half
-      mb[2 * m * (bs / 2) + bs / 2 + l] = L + m * bs + bs / 2 + l;
-    }
-  }
-}
-
-template <typename T>
-struct ReduceMasks {
-  static constexpr int64_t L = kLanes<T>;
-  static constexpr int kLevels = L == 16 ? 4 : (L == 8 ? 3 : (L == 4 ? 2 : 1));
-  typename MaskOf<T>::type a[4], b[4], natural;
-  ReduceMasks() {
-    int64_t bs = L;
-    for (int lv = 0; lv < kLevels; ++lv, bs /= 2) level_masks<T>(bs, a[lv], b[lv]);
-    // After the levels lane l holds row bitreverse(l); bit reversal is its own inverse.
-    for (int64_t l = 0; l < L; ++l) {
-      int64_t r = 0;
-      for (int bit = 0; bit < kLevels; ++bit) r |= ((l >> bit) & 1) << (kLevels - 1 - bit);
-      natural[l] = r;
-    }
-  }
-};
-
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// 8 floats under AVX2: the same transposing tree with fixed in-lane shuffles (unpack, shufps,
-// one 128-bit lane swap). The generic form above takes its masks from memory, which GCC turns
-// into two vpermps and a vblendvps per shuffle: as the backward's row reductions (before its
-// slices were transposed) they took ~40% of its time on Zen 3. Lane l of the result is the sum of
-// w[l] (pairs, then quads, then halves).
-inline vec_t<float> reduce_rows8(const vec_t<float>* w) {
-  // Direct 32-byte loads: a memcpy into a local array became 16-byte copies through the stack
-  // and 32-byte reloads (failed store forwarding).
-  const float* f = reinterpret_cast<const float*>(w);
-  __m256 x[8];
-  for (int m = 0; m < 8; ++m) x[m] = _mm256_loadu_ps(f + 8 * m);
-  __m256 p[4];
-  for (int m = 0; m < 4; ++m) {
-    // [a0+a2, b0+b2, a1+a3, b1+b3 | a4+a6, b4+b6, a5+a7, b5+b7] for a = w[2m], b = w[2m+1]
-    p[m] = _mm256_add_ps(_mm256_unpacklo_ps(x[2 * m], x[2 * m + 1]),
-                         _mm256_unpackhi_ps(x[2 * m], x[2 * m + 1]));
-  }
-  __m256 qd[2];
-  for (int m = 0; m < 2; ++m) {
-    // [sum of lanes 0-3 of w[4m], w[4m+1], w[4m+2], w[4m+3] | the same of lanes 4-7]
-    qd[m] = _mm256_add_ps(_mm256_shuffle_ps(p[2 * m], p[2 * m + 1], 0x44),
-                          _mm256_shuffle_ps(p[2 * m], p[2 * m + 1], 0xEE));
-  }
-  const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(qd[0], qd[1], 0x20),
-                                 _mm256_permute2f128_ps(qd[0], qd[1], 0x31));
-  return reinterpret_cast<const vec_t<float>&>(r);
-}
-#endif
-
-template <typename T>
-inline vec_t<T> transpose_reduce(const vec_t<T>* w, const ReduceMasks<T>& M) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) return reduce_rows8(w);
-#endif
-  constexpr int64_t L = kLanes<T>;
-  vec_t<T> x[L];
-  for (int64_t i = 0; i < L; ++i) x[i] = w[i];
-  int64_t n = L;
-  for (int lv = 0; lv < ReduceMasks<T>::kLevels; ++lv, n /= 2) {
-    for (int64_t m = 0; m < n / 2; ++m) {
-      x[m] = __builtin_shuffle(x[2 * m], x[2 * m + 1], M.a[lv]) +
-             __builtin_shuffle(x[2 * m], x[2 * m + 1], M.b[lv]);
-    }
-  }
-  return __builtin_shuffle(x[0], M.natural);
-}
-#endif
 
 // Copies the slice [j0, j0 + width) of a row-major K x V state into the padded K x NV buffer.
 template <typename T, int NV>
@@ -740,18 +635,6 @@ inline void store_slice_tr(T* dst, const T* src, int64_t K, int64_t V, int64_t w
   }
 }
 
-// out[j] = the lane sum of Z[j], j < width (16 or 8 columns at a time through the transposing
-// reduction; a fixed order: deterministic).
-template <typename T>
-inline void lane_sums(T* out, const vec_t<T>* Z, int64_t width) {
-  int64_t j = 0;
-#if defined(KDA_HAVE_TRANSPOSE_REDUCE)
-  constexpr int64_t L = kLanes<T>;
-  static const ReduceMasks<T> masks;
-  for (; j + L <= width; j += L) store_cols(out + j, transpose_reduce<T>(Z + j, masks), L);
-#endif
-  for (; j < width; ++j) out[j] = hsum<T>(Z[j]);
-}
 
 // Keeps a loaded vector in its register: GCC folds every use of a load into the arithmetic as a
 // memory operand (P = S_{t-1}[i, j] was loaded three times, D twice), and the sweep then issued

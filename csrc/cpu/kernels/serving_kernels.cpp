@@ -338,6 +338,20 @@ void step_kfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t
 }
 
 // ---- one token on a V-first slice: value columns [c, c + w), rows of K elements -----------------
+// u_j = beta_j (v_j - dk_j) and o_j = dq_j + (q . k) u_j of the n value columns from c, with
+// dk_j = (a k) . S_j and dq_j = (a q) . S_j; u is returned broadcast for the rows' write.
+template <typename T>
+inline void vfirst_outputs(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv,
+                           int64_t c, int n, const T* dk, const T* dq, vec<T>* u) {
+  const int64_t ob = (tok * A.HV + hv) * A.V + c;
+  for (int j = 0; j < n; ++j) {
+    const T b = A.beta_headwise ? beta_cols(A, tok, hv, c + j, 1)[0] : P.beta;
+    const T uj = b * (A.v[ob + j] - dk[j]);
+    A.o[ob + j] = dq[j] + P.qk * uj;
+    u[j] = splat(uj);
+  }
+}
+
 // Columns are taken kColBlock at a time: the vectors of (a k) and (a q) loaded once serve the
 // rows of every column of the block (two loads of (a k), (a q) per block instead of per column),
 // and the block's rows are re-read for the write while still in L1.
@@ -350,7 +364,6 @@ inline void vfirst_cols(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, 
                         int64_t c, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
   constexpr int64_t L = kL<T>;
   const int64_t K = A.K;
-  const int64_t ob = (tok * A.HV + hv) * A.V + c;
   const T* pak = P.ak;
   const T* pq = P.q;
   T dk[CB] = {}, dq[CB] = {};
@@ -373,12 +386,7 @@ inline void vfirst_cols(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, 
     }
   }
   vec<T> u[CB];
-  for (int j = 0; j < CB; ++j) {
-    const T b = A.beta_headwise ? beta_cols(A, tok, hv, c + j, 1)[0] : P.beta;
-    const T uj = b * (A.v[ob + j] - dk[j]);
-    A.o[ob + j] = dq[j] + P.qk * uj;
-    u[j] = splat(uj);
-  }
+  vfirst_outputs<T>(A, P, tok, hv, c, CB, dk, dq, u);
   if (dst == nullptr) return;
   const T* pa = P.a;
   const T* pk = P.k;
@@ -413,7 +421,6 @@ inline void vfirst_lanes(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok,
   constexpr int64_t L = kL<T>;
   constexpr int G = 4;  // rows per sweep over K: 2 G accumulators in registers
   const int64_t K = A.K;
-  const int64_t ob = (tok * A.HV + hv) * A.V + c;
   T dk[L], dq[L];
   if (src != nullptr) {
     vec<T> zk[L], zq[L];
@@ -440,12 +447,7 @@ inline void vfirst_lanes(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok,
     for (int j = 0; j < L; ++j) dk[j] = dq[j] = T(0);
   }
   vec<T> u[L];
-  for (int j = 0; j < L; ++j) {
-    const T b = A.beta_headwise ? beta_cols(A, tok, hv, c + j, 1)[0] : P.beta;
-    const T uj = b * (A.v[ob + j] - dk[j]);
-    A.o[ob + j] = dq[j] + P.qk * uj;
-    u[j] = splat(uj);
-  }
+  vfirst_outputs<T>(A, P, tok, hv, c, L, dk, dq, u);
   if (dst == nullptr) return;
   if (src == nullptr) {
     for (int64_t i = 0; i < K; i += L) {

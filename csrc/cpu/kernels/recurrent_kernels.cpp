@@ -674,6 +674,13 @@ inline void col_partials(vec_t<T>* Z, const vec_t<T>* S, const T* c, int64_t K, 
   }
 }
 
+// Columns ahead (in the order of the stores) whose lines the recompute prefetches for writing:
+// half of its states go to the chunk buffer in L2, and a store that misses L1 waits for the
+// line's read for ownership; the prefetches start those reads while the FMAs of the columns
+// before run (the backward kernel 4-5% faster on the 2-core Xeon at 2 columns ahead, 3% at 8;
+// the results are the same bits).
+constexpr int64_t kStorePrefetchCols = 2;
+
 // One recomputed token of a transposed slice, rows [ib, ib + NB vectors):
 //   Sout[i, j] = a_i Sin[i, j] + k_i u_j,   Z[j] (+)= lane partials of sum_i akn_i Sout[i, j]
 // (the next token's read S'^T k).
@@ -691,6 +698,13 @@ inline void write_rows_tr(vec_t<T>* Sout, const vec_t<T>* Sin, const T* u, const
     cv[b] = load_cols(akn + (ib + b) * L, m);
   }
   for (int64_t j = 0; j < width; ++j) {
+    // The lines of column j + kStorePrefetchCols, or past the slice's width those of the next
+    // row vectors' first columns (rows past KV: lines of the slot after, harmless hints).
+    const V* pf = j + kStorePrefetchCols < width
+                      ? Sout + (j + kStorePrefetchCols) * KV + ib
+                      : Sout + (j + kStorePrefetchCols - width) * KV + ib + NB;
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) __builtin_prefetch(pf + b, 1, 3);
     const V uj = splat<T>(u[j]);
     V z{};
 #pragma GCC unroll 4

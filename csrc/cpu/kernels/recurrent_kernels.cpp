@@ -608,8 +608,32 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
 // Rows of a transposed column: K padded to a multiple of 16 (of every lane count).
 inline int64_t padded_rows(int64_t K) { return (K + 15) / 16 * 16; }
 
+#if defined(KDA_HAVE_TRANSPOSE_REDUCE)
+// Transposes an L x L tile in registers (x[r]: row r in, column r out): at each level the rows r
+// and r + h of every group of 2h rows swap their off-diagonal h-lane blocks (level_masks' two
+// halves, the transposing tree of transpose_reduce without its adds), h = L / 2, ..., 1.
+template <typename T>
+inline void transpose_tile(vec_t<T> (&x)[kLanes<T>], const ReduceMasks<T>& M) {
+  constexpr int64_t L = kLanes<T>;
+  int64_t bs = L;
+  for (int lv = 0; lv < ReduceMasks<T>::kLevels; ++lv, bs /= 2) {
+    const int64_t h = bs / 2;
+    for (int64_t g = 0; g < L; g += bs) {
+      for (int64_t r = g; r < g + h; ++r) {
+        const vec_t<T> lo = __builtin_shuffle(x[r], x[r + h], M.a[lv]);
+        const vec_t<T> hi = __builtin_shuffle(x[r], x[r + h], M.b[lv]);
+        x[r] = lo;
+        x[r + h] = hi;
+      }
+    }
+  }
+}
+#endif
+
 // The slice [j0, j0 + width) of a row-major K x V state, transposed into dst (width columns of
-// Kp elements, rows K..Kp zero); src == null: zeros.
+// Kp elements, rows K..Kp zero); src == null: zeros. Whole L x L tiles go through registers
+// (transpose_tile): element by element, this load of each chunk's checkpoint was ~2% of the
+// backward kernel on the 2-core Xeon (K = V = 128).
 template <typename T>
 inline void load_slice_tr(T* dst, const T* src, int64_t K, int64_t V, int64_t width) {
   const int64_t Kp = padded_rows(K);
@@ -622,8 +646,23 @@ inline void load_slice_tr(T* dst, const T* src, int64_t K, int64_t V, int64_t wi
     }
     return;
   }
+  int64_t Kt = 0, Wt = 0;  // rows and columns covered by whole tiles
+#if defined(KDA_HAVE_TRANSPOSE_REDUCE)
+  constexpr int64_t L = kLanes<T>;
+  static const ReduceMasks<T> masks;
+  Kt = K / L * L;
+  Wt = width / L * L;
+  for (int64_t ib = 0; ib < Kt; ib += L) {
+    for (int64_t jb = 0; jb < Wt; jb += L) {
+      vec_t<T> x[L];
+      for (int64_t r = 0; r < L; ++r) std::memcpy(&x[r], src + (ib + r) * V + jb, sizeof(x[r]));
+      transpose_tile<T>(x, masks);
+      for (int64_t c = 0; c < L; ++c) std::memcpy(dst + (jb + c) * Kp + ib, &x[c], sizeof(x[c]));
+    }
+  }
+#endif
   for (int64_t i = 0; i < K; ++i) {
-    for (int64_t j = 0; j < width; ++j) dst[j * Kp + i] = src[i * V + j];
+    for (int64_t j = i < Kt ? Wt : 0; j < width; ++j) dst[j * Kp + i] = src[i * V + j];
   }
 }
 

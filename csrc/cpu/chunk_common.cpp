@@ -57,7 +57,9 @@ FlushDenormals::~FlushDenormals() {
 }
 
 void gemm_release(Products products) {
-  at::native::cpublas::brgemm_release(/*is_vnni=*/products == Products::kBf16);
+  // is_vnni releases the tiles (of the own tile kernels too) and ATen's record of their owner.
+  at::native::cpublas::brgemm_release(
+      /*is_vnni=*/products == Products::kBf16 || products == Products::kAmx);
 }
 
 namespace {
@@ -96,9 +98,9 @@ inline void dot2(const T* __restrict x, const T* __restrict z, const T* __restri
   rz = az[0];
 }
 
-// The bf16 products over a chunk's tokens read their A operands up to a multiple of kSub columns
-// (the packed B takes rows in pairs; its rows there are zero): zero columns [from, to) of `rows`
-// rows, so no stale value (possibly inf or NaN) meets those zeros.
+// The bf16 products over a chunk's tokens read their A operands up to product_cols columns (the
+// packed B takes rows in pairs, the tiles in steps of 32; its rows there are zero): zero columns
+// [from, to) of `rows` rows, so no stale value (possibly inf or NaN) meets those zeros.
 inline void zero_cols(at::BFloat16* a, int64_t rows, int64_t ld, int64_t from, int64_t to) {
   for (int64_t r = 0; r < rows; ++r) {
     std::fill(a + r * ld + from, a + r * ld + to, at::BFloat16(0.0f));
@@ -204,7 +206,7 @@ KDA_CLONES void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
   keys_decayed_to(c, w, 0, n - 1);
   if (bf16) {
     transpose(w.kr, n, K, K, w.prod.kdecT, kC);
-    zero_cols(w.prod.kdecT, K, kC, n, (n + kSub - 1) / kSub * kSub);
+    zero_cols(w.prod.kdecT, K, kC, n, product_cols(w.prod, n));
   } else {
     transpose(w.kr, n, K, K, w.kdecT, kC);
   }
@@ -396,8 +398,84 @@ KDA_CLONES void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
   }
 }
 
+namespace {
+
+// Row i of the solve's right-hand side R = [-beta_i Gam_i . k_i | beta_i v_i] into r [K + V].
+template <typename T>
+KDA_ALWAYS_INLINE void rhs_row(const ChunkIn<T>& c, const ChunkWork<T>& w, int64_t i,
+                               T* __restrict r) {
+  const int64_t K = c.K, V = c.V;
+  const T b = c.beta[i];
+  const T* __restrict g = w.gam + i * K;
+  const T* __restrict k = c.k + i * K;
+  const T* __restrict v = c.v + i * c.ldv;
+  KDA_IVDEP
+  for (int64_t d = 0; d < K; ++d) r[d] = -b * (g[d] * k[d]);
+  KDA_IVDEP
+  for (int64_t e = 0; e < V; ++e) r[K + e] = b * v[e];
+}
+
+// solve_wu with bf16 products (w.prod.mode, float only): T = (I + A)^-1 in fp32, then
+// X = T R as one bf16 product (T and R rounded to bf16, as FLA's chunk kernels do for 16-bit
+// inputs) instead of two fp32 GEMMs per row block: the products are the calls that cost, not
+// their arithmetic.
+KDA_ALWAYS_INLINE void solve_wu_bf16(const ChunkIn<float>& c, ChunkWork<float>& w) {
+  const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
+  const ProductWork& p = w.prod;
+  const int64_t ncol = product_cols(p, n);
+  for (int64_t i = 0; i < n; ++i) rhs_row(c, w, i, w.x + i * ld);
+  pack_b(p, ncol, ld, n, w.x, ld, p.rhs);
+  // T row by row, T_i = e_i + sum_{j<i} na_ij T_j (na = -A), rows of kC columns (T_j is zero
+  // past column j), written over na: row i of na is read before row i of T replaces it. Two
+  // partial sums (even and odd j) halve the chain of dependent additions.
+  float* t = w.na;
+  for (int64_t i = 0; i < n; ++i) {
+    float* __restrict ti = t + i * kC;
+#if defined(KDA_HAVE_VEC16)
+    constexpr int64_t nv = kC / 16;
+    v16sf a[nv] = {}, b[nv] = {};
+    int64_t j = 0;
+    for (; j + 1 < i; j += 2) {
+      const float s0 = ti[j], s1 = ti[j + 1];
+      const v16sf* t0 = reinterpret_cast<const v16sf*>(t + j * kC);
+      const v16sf* t1 = reinterpret_cast<const v16sf*>(t + (j + 1) * kC);
+      for (int64_t v = 0; v < nv; ++v) {
+        a[v] += s0 * t0[v];
+        b[v] += s1 * t1[v];
+      }
+    }
+    if (j < i) {
+      const float s0 = ti[j];
+      const v16sf* t0 = reinterpret_cast<const v16sf*>(t + j * kC);
+      for (int64_t v = 0; v < nv; ++v) a[v] += s0 * t0[v];
+    }
+    v16sf* out = reinterpret_cast<v16sf*>(ti);
+    for (int64_t v = 0; v < nv; ++v) out[v] = a[v] + b[v];
+#else
+    float a[kC] = {};
+    for (int64_t j = 0; j < i; ++j) {
+      const float s0 = ti[j];
+      const float* __restrict tj = t + j * kC;
+      for (int64_t e = 0; e < kC; ++e) a[e] += s0 * tj[e];
+    }
+    std::copy(a, a + kC, ti);
+#endif
+    ti[i] = 1.0f;
+    round_bf16(ti, p.tinv + i * kC, ncol);
+  }
+  gemm16(p, n, ld, ncol, p.tinv, kC, p.rhs, w.x, ld, /*add=*/false);
+}
+
+}  // namespace
+
 template <typename T>
 KDA_CLONES void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (w.prod.mode != Products::kNative) {
+      solve_wu_bf16(c, w);
+      return;
+    }
+  }
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
   // (I + A) X = R with R = [-beta_i Gam_i . k_i | beta_i v_i], row block by row block:
   //   X_I = (I + A_II)^-1 (R_I - A[I, :b0] X[:b0])
@@ -406,17 +484,7 @@ KDA_CLONES void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w) {
   const int64_t nb = (n + kSub - 1) / kSub;
   for (int64_t I = 0; I < nb; ++I) {
     const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub), rows = b1 - b0;
-    for (int64_t i = b0; i < b1; ++i) {
-      const T b = c.beta[i];
-      const T* __restrict g = w.gam + i * K;
-      const T* __restrict k = c.k + i * K;
-      const T* __restrict v = c.v + i * c.ldv;
-      T* __restrict r = w.rhs + (i - b0) * ld;
-      KDA_IVDEP
-      for (int64_t d = 0; d < K; ++d) r[d] = -b * (g[d] * k[d]);
-      KDA_IVDEP
-      for (int64_t e = 0; e < V; ++e) r[K + e] = b * v[e];
-    }
+    for (int64_t i = b0; i < b1; ++i) rhs_row(c, w, i, w.rhs + (i - b0) * ld);
     if (b0 > 0) gemm(rows, ld, b0, w.na + b0 * kC, kC, w.x, ld, w.rhs, ld, /*add=*/true);
     T* di = w.dinv + I * kSub * kSub;
     for (int64_t i = 0; i < rows; ++i) {
@@ -445,17 +513,20 @@ namespace {
 // state_step with bf16 products (chunk_products.h): S packed once for the two products that read
 // it, Vn once for the two that read it; -W and M rounded from the solve's / intra_am's fp32
 // results, q . Gam and Kdec^T already bf16 (decay_factors). Columns and rows past n up to a
-// multiple of kSub are zero in both operands of the products over the chunk's tokens.
+// multiple of the products' k-step (product_cols) are zero in both operands of the products over
+// the chunk's tokens.
 KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, float* S,
                                 float* o, int64_t ldo) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
-  const int64_t ncol = (n + kSub - 1) / kSub * kSub;
   const ProductWork& p = w.prod;
+  const int64_t nz = (n + kSub - 1) / kSub * kSub;  // columns of M that intra_am zeroed past n
+  const int64_t ncol = product_cols(p, n);
   float* vn = w.x + K;
   for (int64_t i = 0; i < n; ++i) {
     round_bf16(w.x + i * ld, p.nw + i * K, K);
-    round_bf16(w.am + (2 * i + 1) * kC, p.m + i * kC, ncol);
+    round_bf16(w.am + (2 * i + 1) * kC, p.m + i * kC, nz);
   }
+  zero_cols(p.m, n, kC, nz, ncol);
   pack_b(p, K, V, K, S, V, p.s);
   // Vn = U + (-W) S;  o = (Q . Gam) S
   gemm16(p, n, V, K, p.nw, K, p.s, vn, ld, /*add=*/true);

@@ -106,7 +106,8 @@ struct ChunkIn {
 //   am    [kC, 2, kC]    row i of A0 at am + 2 i kC (A0_ij = sum_d k_id k_jd exp(G_id - G_jd),
 //                        j < i, else 0), row i of M at am + (2 i + 1) kC (j <= i, else 0), over
 //                        columns j < ceil(n / kSub) * kSub
-//   na    [kC, kC]       -beta_i A0_ij (j < i): minus A of docs/math.md
+//   na    [kC, kC]       -beta_i A0_ij (j < i): minus A of docs/math.md (with bf16 products
+//                        solve_wu overwrites it with T = (I + A)^-1)
 //   x     [kC, K + V]    after solve: [-W | U]; after state_step: [-W | Vn]
 //   rhs   [kSub, K + V]  (solve) one row block of [-diag(beta) (Gam . K) | diag(beta) V], then
 //                        R_I - A[I, :b0] X[:b0]
@@ -143,7 +144,9 @@ void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w);
 
 // x = (I + A)^-1 [-diag(beta) (Gam . K) | diag(beta) V] = [-W | U] by blocked forward
 // substitution: per row block, a GEMM with the blocks left of the diagonal and one with the
-// diagonal block's inverse (dinv). Needs decay_factors and intra_am.
+// diagonal block's inverse (dinv). With bf16 products (w.prod.mode, chunk_products.h) instead
+// T = (I + A)^-1 by forward substitution in fp32, then one bf16 product T R. Needs
+// decay_factors and intra_am.
 template <typename T>
 void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w);
 

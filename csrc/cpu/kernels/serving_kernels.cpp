@@ -419,7 +419,10 @@ template <typename T, bool NT, typename Src, typename Dst>
 inline void vfirst_lanes(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv,
                          int64_t c, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
   constexpr int64_t L = kL<T>;
-  constexpr int G = 4;  // rows per sweep over K: 2 G accumulators in registers
+  // Rows per sweep over K (2 G accumulators in registers): 4, or all L when a vector holds fewer
+  // (fp64 in the 16-byte generic kernels: L = 2), so j0 + j stays below L (zk / zq have L rows).
+  constexpr int G = L < 4 ? static_cast<int>(L) : 4;
+  static_assert(L % G == 0, "the sweeps must tile the L columns");
   const int64_t K = A.K;
   T dk[L], dq[L];
   if (src != nullptr) {

@@ -2,8 +2,8 @@
 
 With ``TORCH_KDA_CHUNK_PRODUCTS=bf16`` the chunk forward's state products (Vn = U - W S,
 o = (Q . Gam) S + M Vn, S += Kdec^T Vn) and its W/U solve ([-W | U] = (I + A)^-1 R) take bf16
-operands with fp32 accumulation for bf16 / fp16 inputs: the AMX kernels where the CPU has them
-(the library's own tile kernels at K = 32, ATen's brgemm at K = 16), else an emulation with the
+operands with fp32 accumulation for bf16 / fp16 inputs: AMX through ATen's brgemm where the CPU
+has it, else an emulation with the
 same numerics (the path these tests take on a CPU without bf16 matrix hardware). Checked: FLA's accuracy bar (output 0.005,
 gradients 0.008 relative RMS) over the feature grid and strong decays, bitwise determinism across
 thread counts, fp32 inputs untouched, head sizes the products do not take, and the knob's errors.

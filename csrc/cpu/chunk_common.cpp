@@ -59,7 +59,7 @@ FlushDenormals::~FlushDenormals() {
 void gemm_release(Products products) {
   // is_vnni releases the tiles (of the own tile kernels too) and ATen's record of their owner.
   at::native::cpublas::brgemm_release(
-      /*is_vnni=*/products == Products::kBf16 || products == Products::kAmx);
+      /*is_vnni=*/products == Products::kBf16);
 }
 
 namespace {
@@ -99,7 +99,7 @@ inline void dot2(const T* __restrict x, const T* __restrict z, const T* __restri
 }
 
 // The bf16 products over a chunk's tokens read their A operands up to product_cols columns (the
-// packed B takes rows in pairs, the tiles in steps of 32; its rows there are zero): zero columns
+// packed B takes rows in pairs, blocks of 16; its rows there are zero): zero columns
 // [from, to) of `rows` rows, so no stale value (possibly inf or NaN) meets those zeros.
 inline void zero_cols(at::BFloat16* a, int64_t rows, int64_t ld, int64_t from, int64_t to) {
   for (int64_t r = 0; r < rows; ++r) {

@@ -1,8 +1,6 @@
 // bf16 state products of the chunk forward (see chunk_products.h).
 #include "cpu/chunk_products.h"
 
-#include "cpu/amx_bf16.h"
-
 #include "cpu/chunk_common.h"
 #include "cpu/chunk_vec.h"
 #include "cpu/error_message.h"
@@ -34,7 +32,6 @@ Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char*
               "TORCH_KDA_CHUNK_PRODUCTS must be auto, fp32 or bf16, got '", knob, "'");
   const bool half = input == at::kBFloat16 || input == at::kHalf;
   if (!half || knob == "fp32" || K % 16 != 0 || V % 16 != 0) return Products::kNative;
-  if (K % 32 == 0 && amx::available()) return Products::kAmx;
   if (at::native::cpublas::could_pack(at::kBFloat16)) return Products::kBf16;
   return knob == "bf16" ? Products::kBf16Emulated : Products::kNative;
 }
@@ -61,10 +58,6 @@ KDA_CLONES void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows
       for (int64_t e = 0; e < N; ++e) y[e] = static_cast<float>(at::BFloat16(x[e]));
     }
     std::fill(d + rows * N, d + Kd * N, 0.0f);
-    return;
-  }
-  if (p.mode == Products::kAmx) {
-    amx::pack_b(Kd, N, rows, src, lds, static_cast<at::BFloat16*>(dst));
     return;
   }
   at::BFloat16* __restrict b = p.round;
@@ -94,10 +87,6 @@ void gemm16(const ProductWork& p, int64_t M, int64_t N, int64_t Kd, const at::BF
     return;
   }
   const at::BFloat16* b = static_cast<const at::BFloat16*>(B);
-  if (p.mode == Products::kAmx) {
-    amx::gemm(M, N, Kd, A, lda, b, C, ldc, add);
-    return;
-  }
   for (int64_t e0 = 0; e0 < N; e0 += kBlockN) {
     const int64_t width = std::min(kBlockN, N - e0);
     at::native::cpublas::brgemm(M, width, Kd, lda, width, ldc, add, A, b + e0 * Kd, C + e0,

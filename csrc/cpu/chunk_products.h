@@ -3,25 +3,22 @@
 // and of its W/U solve (solve_wu): [-W | U] = T R with T = (I + A)^-1 (computed in fp32) and
 // R = [-diag(beta) (Gam . K) | diag(beta) V].
 // For bf16 / fp16 INPUTS these may run with bf16 operands and fp32 accumulation (the matrix
-// engines of server CPUs: AMX tiles, through this library's tile kernels (amx_bf16.h) or ATen's
-// cpublas::brgemm, on VNNI-packed B operands). The running state, U and the outputs stay fp32;
+// engines of server CPUs: AMX tiles through ATen's cpublas::brgemm (oneDNN) on VNNI-packed B
+// operands). The running state, U and the outputs stay fp32;
 // S, Vn, T and R are rounded to bf16 only as product operands (FLA's chunk kernels do the same).
 // fp32 / fp64 inputs always keep fp32 / fp64 products.
 //
 // One knob, the environment variable TORCH_KDA_CHUNK_PRODUCTS, read at each call:
-//   auto (default)  bf16 products for 16-bit inputs where the CPU has AMX tiles: this library's
-//                   own tile kernels (amx_bf16.h) where K is a multiple of 32, else where the CPU
-//                   packs bf16 for the GEMM library (cpublas::could_pack(kBFloat16)) ATen's
-//                   brgemm; fp32 products elsewhere, where bf16 products would run ATen's slow
-//                   fallback;
+//   auto (default)  bf16 products for 16-bit inputs where the CPU packs bf16 for the GEMM library
+//                   (cpublas::could_pack(kBFloat16): AMX); fp32 products elsewhere, where bf16
+//                   products would run ATen's slow fallback;
 //   fp32            fp32 products always;
 //   bf16            bf16 products for 16-bit inputs everywhere: the real ones where the CPU has
 //                   them (as auto), else an emulation with the same numerics (operands rounded to bf16, their
 //                   products exact in fp32, fp32 accumulation through the fp32 GEMM) so the code
 //                   path and its accuracy are testable on any CPU.
 // bf16 products need K and V multiples of 16 (the packed layout's column blocks of 16..64 and
-// the pairs of rows of VNNI; the tile kernels take K in steps of 32); other head sizes keep fp32
-// products.
+// the pairs of rows of VNNI); other head sizes keep fp32 products.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -36,8 +33,7 @@ namespace chunk {
 
 enum class Products {
   kNative,        // the compute dtype's products (fp32 for 16-bit inputs)
-  kAmx,           // bf16 operands, fp32 accumulation: amx_bf16.h's tile kernels
-  kBf16,          // the same through ATen's cpublas::brgemm (packed B in 64-column blocks)
+  kBf16,          // bf16 operands, fp32 accumulation, ATen's cpublas::brgemm (packed B, AMX)
   kBf16Emulated,  // the same numerics through the fp32 GEMM
 };
 
@@ -55,7 +51,7 @@ Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char*
 //   tinv  [kC, kC]  (I + A)^-1 (the W/U solve)
 // B operands (S, Vn and the solve's right-hand side R [kC, K + V], rounded to bf16, laid out by
 // pack_b):
-//   s, vn, rhs      packed (kAmx, kBf16) or rounded fp32 (kBf16Emulated)
+//   s, vn, rhs      packed (kBf16) or rounded fp32 (kBf16Emulated)
 //   round           [max(K, kC) V, kC (K + V)] bf16 staging of a B operand before packing (kBf16)
 //   fa              [max(K, kC), max(K, kC)] fp32 (emulation: an A operand widened)
 struct ProductWork {
@@ -70,12 +66,9 @@ struct ProductWork {
 };
 
 // The columns of the A operands / rows of the B operands of the products over a chunk's n tokens:
-// n rounded up to the k-step of the products (32 for kAmx, 16 otherwise); the operands are zero
-// past n.
-inline int64_t product_cols(const ProductWork& p, int64_t n) {
-  const int64_t step = p.mode == Products::kAmx ? 32 : 16;
-  return (n + step - 1) / step * step;
-}
+// n rounded up to the k-step of the products (16: the VNNI pairs and the packed layout); the
+// operands are zero past n.
+inline int64_t product_cols(const ProductWork&, int64_t n) { return (n + 15) / 16 * 16; }
 
 // Rounds rows [0, rows) of the fp32 matrix src [Kd, N] (row stride lds) to bf16, zero rows
 // [rows, Kd), and lays the result out as the B operand of gemm16 in dst (Kd, N multiples of 16).

@@ -152,8 +152,8 @@ inline void stream_vec(T* p, const vec_t<T>& x) {
 
 template <typename T, int NV>
 inline void stream_slice(T* dst, const vec_t<T>* src, int64_t K, int64_t V, int64_t width) {
-  constexpr int64_t L = kLanes<T>;
 #if defined(KDA_HAVE_STREAM)
+  constexpr int64_t L = kLanes<T>;
   const bool aligned = reinterpret_cast<uintptr_t>(dst) % KDA_VEC_BYTES == 0 &&
                        (V * static_cast<int64_t>(sizeof(T))) % KDA_VEC_BYTES == 0;
   if (aligned && width == NV * L) {

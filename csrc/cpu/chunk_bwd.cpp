@@ -10,6 +10,10 @@
 // gates, sigmoid beta, grouped heads) is csrc/cpu/bwd_common.cpp, shared with the recurrent
 // backward.
 //
+// The channel loops carry KDA_IVDEP (chunk_vec.h): their rows are distinct, but GCC cannot prove
+// it through the workspace struct and left them scalar (measured: the diagonal-block pair loop,
+// the per-token rows and the factor rows ran as vmulss / vmovss, ~1/3 of the backward's loops).
+//
 // Determinism: units and chunk boundaries depend on the shapes only; a unit runs on one thread
 // and every sum in it runs in a fixed order, so results are bitwise identical for any thread
 // count.
@@ -193,6 +197,7 @@ inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_
     {
       const T tm = bw.dam[(2 * j + 1) * kC + j];
       T* __restrict dqj = bw.dq + j * K;
+      KDA_IVDEP
       for (int64_t d = 0; d < K; ++d) {
         if (kWithQK) {
           dqj[d] += tm * kj[d];
@@ -216,6 +221,7 @@ inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_
       T* __restrict dki = bw.dk + i * K;
       T* __restrict dqi = bw.dq + i * K;
       T* __restrict y = bw.ybuf + (i - b0) * K;
+      KDA_IVDEP
       for (int64_t d = 0; d < K; ++d) {
         p[d] *= ai[d];
         const T x = (ta * ki[d] + tm * qi[d]) * p[d];
@@ -234,6 +240,7 @@ inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_
     for (int64_t i = last - 1; i > j; --i) {
       const T* __restrict y = bw.ybuf + (i - b0) * K;
       T* __restrict dg = dgd + (i - b0) * K;
+      KDA_IVDEP
       for (int64_t d = 0; d < K; ++d) {
         sum[d] += y[d];
         dg[d] += sum[d];
@@ -243,6 +250,7 @@ inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_
   for (int64_t t = b0 + 1; t < b1; ++t) {
     const T* __restrict dg = dgd + (t - b0) * K;
     double* __restrict dgx = bw.dgx + t * K;
+    KDA_IVDEP
     for (int64_t d = 0; d < K; ++d) dgx[d] += static_cast<double>(dg[d]);
   }
 }
@@ -277,6 +285,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
       const T* __restrict ki = c.k + i * K;
       T* __restrict ed = bw.edec + i * K;
       T* __restrict kd = bw.kdec + i * K;
+      KDA_IVDEP
       for (int64_t d = 0; d < K; ++d) {
         ed[d] = run[d];
         kd[d] = ki[d] * run[d];
@@ -307,13 +316,13 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
   for (int64_t d = 0; d < K; ++d) {
     const T* s = bw.S + d * V;
     const T* ds = bw.dS + d * V;
-    T* dsn = bw.dSnew + d * V;
-    T rs = 0;
-    for (int64_t e = 0; e < V; ++e) {
-      rs += s[e] * ds[e];
-      dsn[e] += gl[d] * ds[e];
-    }
-    bw.acc[d] = static_cast<double>(gl[d] * rs);  // dG_last += Gam_last . rowsum(S . dS_next)
+    T* __restrict dsn = bw.dSnew + d * V;
+    const T f = gl[d];
+    KDA_IVDEP
+    for (int64_t e = 0; e < V; ++e) dsn[e] += f * ds[e];
+    // dG_last += Gam_last . rowsum(S . dS_next) (a fixed-order dot: one running sum kept the
+    // whole loop scalar)
+    bw.acc[d] = static_cast<double>(f * dot(s, ds, V));
     bw.acc[K + d] = 0.0;
   }
 
@@ -379,6 +388,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
     T* __restrict gk = bw.run2;  // Gam_i . k_i
     double* __restrict kacc = bw.acc + K;
     for (int64_t e = 0; e < V; ++e) dv[e] = b * dbv[e];
+    KDA_IVDEP
     for (int64_t d = 0; d < K; ++d) {
       gk[d] = gi[d] * ki[d];
       dq[d] = gi[d] * dqg[d];
@@ -410,6 +420,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
       T* __restrict rf = bw.rf + (i - b0) * K;
       T* __restrict lk = bw.lq + 2 * (i - b0) * K;
       T* __restrict lqq = lk + K;
+      KDA_IVDEP
       for (int64_t d = 0; d < K; ++d) {
         p[d] *= ai[d];
         rf[d] = p[d];
@@ -426,6 +437,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
         const T* __restrict kj = c.k + j * K;
         T* __restrict cf = bw.cf + j * K;
         T* __restrict kr = bw.kr + j * K;
+        KDA_IVDEP
         for (int64_t d = 0; d < K; ++d) {
           cf[d] = T(1) / rf[d];
           kr[d] = kj[d] * cf[d];
@@ -449,6 +461,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
         j0 = j + 1;
         break;
       }
+      KDA_IVDEP
       for (int64_t d = 0; d < K; ++d) {
         cf[d] = p[d];
         kr[d] = kj[d] * p[d];
@@ -478,7 +491,9 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
     // dG would form them as differences of larger sums): for t in [1, b0] the column sums
     // C_j = dCol_j . Col_j over j < t, for t in (b0, b1) the row sums R_i = dRow_i . Row_i over
     // i >= t. (The block's own pairs went to dgx above.)
-    for (int64_t d = 0; d < K; ++d) bw.acc[d] = 0.0;
+    // (acc through a local pointer: read through bw, GCC reloads it after every store)
+    double* __restrict cs = bw.acc;
+    for (int64_t d = 0; d < K; ++d) cs[d] = 0.0;
     for (int64_t i = b1 - 1; i >= b0; --i) {
       const T* __restrict rf = bw.rf + (i - b0) * K;
       const T* __restrict lk = bw.lq + 2 * (i - b0) * K;
@@ -490,9 +505,10 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
       T* __restrict dki = bw.dk + i * K;
       T* __restrict dqi = bw.dq + i * K;
       double* __restrict dgi = bw.dgx + i * K;
+      KDA_IVDEP
       for (int64_t d = 0; d < K; ++d) {
-        bw.acc[d] += static_cast<double>(dlk[d] * lk[d] + dlqq[d] * lqq[d]);
-        if (i > b0) dgi[d] += bw.acc[d];
+        cs[d] += static_cast<double>(dlk[d] * lk[d] + dlqq[d] * lqq[d]);
+        if (i > b0) dgi[d] += cs[d];
         const T rk = factored ? dlk[d] + dlk2[d] : dlk[d];
         const T rq = factored ? dlqq[d] + dlqq2[d] : dlqq[d];
         dki[d] += rk * rf[d];
@@ -504,20 +520,22 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
         const T* __restrict cf = bw.cf + j * K;
         const T* __restrict dkr = bw.dkr + j * K;
         T* __restrict dkj = bw.dk + j * K;
+        KDA_IVDEP
         for (int64_t d = 0; d < K; ++d) dkj[d] += dkr[d] * cf[d];
       }
     }
-    for (int64_t d = 0; d < K; ++d) bw.acc[d] = 0.0;
+    for (int64_t d = 0; d < K; ++d) cs[d] = 0.0;
     for (int64_t j = j0; j < b0; ++j) {
       const T* __restrict cf = bw.cf + j * K;
       const T* __restrict kr = bw.kr + j * K;
       const T* __restrict dkr = bw.dkr + j * K;
       T* __restrict dkj = bw.dk + j * K;
       double* __restrict dgn = bw.dgx + (j + 1) * K;  // t = j + 1
+      KDA_IVDEP
       for (int64_t d = 0; d < K; ++d) {
         dkj[d] += dkr[d] * cf[d];
-        bw.acc[d] += static_cast<double>(dkr[d] * kr[d]);
-        dgn[d] += bw.acc[d];
+        cs[d] += static_cast<double>(dkr[d] * kr[d]);
+        dgn[d] += cs[d];
       }
     }
   }
@@ -535,10 +553,12 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
     T* __restrict dg = A.dg + row;
     // Two loops, one in double and one in T: mixing them with the select kept it scalar.
     T* __restrict sum = bw.run2;
+    KDA_IVDEP
     for (int64_t d = 0; d < K; ++d) {
       acc[d] += dG[d];
       sum[d] = static_cast<T>(acc[d] + dgx[d]);
     }
+    KDA_IVDEP
     for (int64_t d = 0; d < K; ++d) dg[d] = ai[d] == T(0) ? T(0) : sum[d];
     std::memcpy(A.dq + row, bw.dq + i * K, sizeof(T) * K);
     std::memcpy(A.dk + row, bw.dk + i * K, sizeof(T) * K);

@@ -1,4 +1,5 @@
-// Lane sums of vectors in a fixed order (deterministic), shared by the kernel files.
+// Lane sums of vectors in a fixed order (deterministic), and the in-register tile transposition
+// built on the same shuffle tree (transpose_tile), shared by the kernel files.
 //
 // A textual fragment, not a normal header: each kernel file includes it INSIDE its per-ISA
 // anonymous namespace (kda::kernels::KDA_ISA::{}), after defining vec_t<T> (a GCC vector of
@@ -117,6 +118,26 @@ inline vec_t<T> transpose_reduce(const vec_t<T>* w, const ReduceMasks<T>& M) {
     }
   }
   return __builtin_shuffle(x[0], M.natural);
+}
+
+// Transposes an L x L tile in registers (x[r]: row r in, column r out): at each level the rows r
+// and r + h of every group of 2h rows swap their off-diagonal h-lane blocks (level_masks' two
+// halves, the transposing tree of transpose_reduce without its adds), h = L / 2, ..., 1.
+template <typename T>
+inline void transpose_tile(vec_t<T> (&x)[kLanes<T>], const ReduceMasks<T>& M) {
+  constexpr int64_t L = kLanes<T>;
+  int64_t bs = L;
+  for (int lv = 0; lv < ReduceMasks<T>::kLevels; ++lv, bs /= 2) {
+    const int64_t h = bs / 2;
+    for (int64_t g = 0; g < L; g += bs) {
+      for (int64_t r = g; r < g + h; ++r) {
+        const vec_t<T> lo = __builtin_shuffle(x[r], x[r + h], M.a[lv]);
+        const vec_t<T> hi = __builtin_shuffle(x[r], x[r + h], M.b[lv]);
+        x[r] = lo;
+        x[r + h] = hi;
+      }
+    }
+  }
 }
 #endif
 

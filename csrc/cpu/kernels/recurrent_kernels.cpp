@@ -608,28 +608,6 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
 // Rows of a transposed column: K padded to a multiple of 16 (of every lane count).
 inline int64_t padded_rows(int64_t K) { return (K + 15) / 16 * 16; }
 
-#if defined(KDA_HAVE_TRANSPOSE_REDUCE)
-// Transposes an L x L tile in registers (x[r]: row r in, column r out): at each level the rows r
-// and r + h of every group of 2h rows swap their off-diagonal h-lane blocks (level_masks' two
-// halves, the transposing tree of transpose_reduce without its adds), h = L / 2, ..., 1.
-template <typename T>
-inline void transpose_tile(vec_t<T> (&x)[kLanes<T>], const ReduceMasks<T>& M) {
-  constexpr int64_t L = kLanes<T>;
-  int64_t bs = L;
-  for (int lv = 0; lv < ReduceMasks<T>::kLevels; ++lv, bs /= 2) {
-    const int64_t h = bs / 2;
-    for (int64_t g = 0; g < L; g += bs) {
-      for (int64_t r = g; r < g + h; ++r) {
-        const vec_t<T> lo = __builtin_shuffle(x[r], x[r + h], M.a[lv]);
-        const vec_t<T> hi = __builtin_shuffle(x[r], x[r + h], M.b[lv]);
-        x[r] = lo;
-        x[r + h] = hi;
-      }
-    }
-  }
-}
-#endif
-
 // The slice [j0, j0 + width) of a row-major K x V state, transposed into dst (width columns of
 // Kp elements, rows K..Kp zero); src == null: zeros. Whole L x L tiles go through registers
 // (transpose_tile): element by element, this load of each chunk's checkpoint was ~2% of the

@@ -38,22 +38,8 @@ namespace {
 using chunk::kC;
 using chunk::kSub;
 
+using chunk::any_nonzero;
 using chunk::kMinBlockDecay;
-
-// Whether every p[d], d < n, is zero (p >= 0: products of decays). An OR of the bit patterns
-// vectorizes (a max or sum of floats does not without -ffast-math) and +0 is the only
-// non-negative float whose bits are all zero.
-template <typename T>
-inline bool all_zero(const T* __restrict p, int64_t n) {
-  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
-  Bits any = 0;
-  for (int64_t d = 0; d < n; ++d) {
-    Bits b;
-    std::memcpy(&b, p + d, sizeof(T));
-    any |= b;
-  }
-  return any == 0;
-}
 
 // sum_d x_d y_d, d < n, in 16 partial sums and then a fixed tree: the same bits on any thread, and
 // the loop vectorizes (a single running sum keeps it scalar without -ffast-math).
@@ -210,7 +196,7 @@ inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_
     for (int64_t i = j + 1; i < b1; ++i) {
       // Strong decays: once the running product is 0 on every channel (flushed to zero), the
       // pairs (i' >= i, j) contribute exactly nothing.
-      if (i > j + 1 && all_zero(p, K)) {
+      if (i > j + 1 && !any_nonzero(p, K)) {
         last = i;
         break;
       }
@@ -457,7 +443,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
       const T* __restrict kj = c.k + j * K;
       T* __restrict cf = bw.cf + j * K;
       T* __restrict kr = bw.kr + j * K;
-      if (all_zero(p, K)) {
+      if (!any_nonzero(p, K)) {
         j0 = j + 1;
         break;
       }

@@ -57,9 +57,7 @@ FlushDenormals::~FlushDenormals() {
 }
 
 void gemm_release(Products products) {
-  // is_vnni releases the tiles (of the own tile kernels too) and ATen's record of their owner.
-  at::native::cpublas::brgemm_release(
-      /*is_vnni=*/products == Products::kBf16);
+  at::native::cpublas::brgemm_release(/*is_vnni=*/products == Products::kBf16);
 }
 
 namespace {
@@ -139,21 +137,6 @@ void bind_results(ChunkWork<T>& w, Carver& store, int64_t K, int64_t V, bool bf1
   }
 }
 
-// Whether any of x[0, n) is nonzero (a NaN counts), from the magnitude bits: integer
-// operations the compiler vectorises.
-template <typename T>
-KDA_ALWAYS_INLINE bool any_nonzero(const T* __restrict x, int64_t n) {
-  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
-  constexpr U kMag = ~(U(1) << (8 * sizeof(T) - 1));
-  U r = 0;
-  for (int64_t d = 0; d < n; ++d) {
-    U u;
-    std::memcpy(&u, x + d, sizeof(u));
-    r |= u & kMag;
-  }
-  return r != 0;
-}
-
 // Rows [first, last] of kr: k_j . a_{j+1} ... a_last (keys decayed to token last, a running
 // product walked backwards; every factor <= 1). With stop_at_zero the walk ends once the running
 // product is all zero: the rows before are then exactly zero and are not written. Returns the
@@ -206,7 +189,7 @@ KDA_CLONES void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
   keys_decayed_to(c, w, 0, n - 1);
   if (bf16) {
     transpose(w.kr, n, K, K, w.prod.kdecT, kC);
-    zero_cols(w.prod.kdecT, K, kC, n, product_cols(w.prod, n));
+    zero_cols(w.prod.kdecT, K, kC, n, product_cols(n));
   } else {
     transpose(w.kr, n, K, K, w.kdecT, kC);
   }
@@ -422,7 +405,7 @@ KDA_ALWAYS_INLINE void rhs_row(const ChunkIn<T>& c, const ChunkWork<T>& w, int64
 KDA_ALWAYS_INLINE void solve_wu_bf16(const ChunkIn<float>& c, ChunkWork<float>& w) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
   const ProductWork& p = w.prod;
-  const int64_t ncol = product_cols(p, n);
+  const int64_t ncol = product_cols(n);
   for (int64_t i = 0; i < n; ++i) rhs_row(c, w, i, w.x + i * ld);
   pack_b(p, ncol, ld, n, w.x, ld, p.rhs);
   // T row by row, T_i = e_i + sum_{j<i} na_ij T_j (na = -A), rows of kC columns (T_j is zero
@@ -519,14 +502,12 @@ KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, fl
                                 float* o, int64_t ldo) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
   const ProductWork& p = w.prod;
-  const int64_t nz = (n + kSub - 1) / kSub * kSub;  // columns of M that intra_am zeroed past n
-  const int64_t ncol = product_cols(p, n);
+  const int64_t ncol = product_cols(n);  // intra_am zeroed M's columns past n up to here
   float* vn = w.x + K;
   for (int64_t i = 0; i < n; ++i) {
     round_bf16(w.x + i * ld, p.nw + i * K, K);
-    round_bf16(w.am + (2 * i + 1) * kC, p.m + i * kC, nz);
+    round_bf16(w.am + (2 * i + 1) * kC, p.m + i * kC, ncol);
   }
-  zero_cols(p.m, n, kC, nz, ncol);
   pack_b(p, K, V, K, S, V, p.s);
   // Vn = U + (-W) S;  o = (Q . Gam) S
   gemm16(p, n, V, K, p.nw, K, p.s, vn, ld, /*add=*/true);

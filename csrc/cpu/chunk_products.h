@@ -66,9 +66,9 @@ struct ProductWork {
 };
 
 // The columns of the A operands / rows of the B operands of the products over a chunk's n tokens:
-// n rounded up to the k-step of the products (16: the VNNI pairs and the packed layout); the
-// operands are zero past n.
-inline int64_t product_cols(const ProductWork&, int64_t n) { return (n + 15) / 16 * 16; }
+// n rounded up to the k-step of the products (16 = kSub: the VNNI pairs and the packed layout);
+// the operands are zero past n.
+inline int64_t product_cols(int64_t n) { return (n + 15) / 16 * 16; }
 
 // Rounds rows [0, rows) of the fp32 matrix src [Kd, N] (row stride lds) to bf16, zero rows
 // [rows, Kd), and lays the result out as the B operand of gemm16 in dst (Kd, N multiples of 16).

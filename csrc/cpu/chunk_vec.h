@@ -34,20 +34,34 @@ namespace kda {
 namespace detail {
 namespace chunk {
 
-// The bits of bf16(x), rounded to nearest even (NaN -> the quiet NaN 0x7FC0): the same bits as
-// at::BFloat16(float), in integer operations the compiler vectorises.
-KDA_ALWAYS_INLINE uint32_t bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return x != x ? 0x7FC0u : r;
+// Whether any of x[0, n) is nonzero (a NaN counts), from the magnitude bits: an OR of integers
+// vectorises, where a max or sum of floats does not without -ffast-math. The zero tests of decay
+// products (chunk forward and backward: once a running product is all zero, older columns add
+// exact zeros).
+template <typename T>
+KDA_ALWAYS_INLINE bool any_nonzero(const T* __restrict x, int64_t n) {
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  constexpr U kMag = ~(U(1) << (8 * sizeof(T) - 1));
+  U r = 0;
+  for (int64_t d = 0; d < n; ++d) {
+    U u;
+    std::memcpy(&u, x + d, sizeof(u));
+    r |= u & kMag;
+  }
+  return r != 0;
 }
 
-// y[e] = bf16(x[e]) for e < n (bf16_bits).
+// y[e] = bf16(x[e]) for e < n, rounded to nearest even (NaN -> the quiet NaN 0x7FC0): the same
+// bits as at::BFloat16(float), in integer operations the compiler vectorises.
 KDA_ALWAYS_INLINE void round_bf16(const float* __restrict x, at::BFloat16* __restrict y, int64_t n) {
   uint16_t* __restrict yb = reinterpret_cast<uint16_t*>(y);
   KDA_IVDEP
-  for (int64_t e = 0; e < n; ++e) yb[e] = uint16_t(bf16_bits(x[e]));
+  for (int64_t e = 0; e < n; ++e) {
+    uint32_t u;
+    std::memcpy(&u, x + e, sizeof(u));
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    yb[e] = x[e] != x[e] ? uint16_t(0x7FC0) : uint16_t(r);
+  }
 }
 
 namespace vec_detail {

@@ -672,7 +672,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_fast(
                                  use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                                  lower_bound, state_v_first);
   Dims d;
-  if (!check_inputs(in, cfg, /*check_values=*/true, /*probe=*/true, d) || !q.is_cpu() ||
+  if (!q.is_cpu() || !check_inputs(in, cfg, /*check_values=*/true, /*probe=*/true, d) ||
       !python_only_rules(lower_bound, cu_seqlens)) {
     return refused;
   }
@@ -810,7 +810,7 @@ bool check_serving(KDA_SERVING_ARGS, bool probe, Inputs& in, Config& cfg, Dims& 
   cfg = make_config(kSrv, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                     use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first);
   if (probe) {
-    if (!check_inputs(in, cfg, /*check_values=*/true, /*probe=*/true, d) || !q.is_cpu()) {
+    if (!q.is_cpu() || !check_inputs(in, cfg, /*check_values=*/true, /*probe=*/true, d)) {
       return false;
     }
   } else {
@@ -1089,11 +1089,14 @@ std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_serving_fast(
     return refused;
   }
   if (!scale) cfg.scale = python_default_scale(d.K);
-  const at::Tensor o = out_given.defined() ? out_given : at::empty({d.B, d.T, d.HV, d.V}, q.options());
+  // As the plain decode path: o and a fresh final state from the output cache (output_cache.h).
+  const at::Tensor o =
+      out_given.defined() ? out_given : empty_output({d.B, d.T, d.HV, d.V}, q.options());
   at::Tensor fresh;
   if (output_final_state && !inplace_final_state) {
     const auto opts = q.options().dtype(compute_dtype(q));
-    fresh = state_v_first ? at::empty({d.N, d.HV, d.V, d.K}, opts) : at::empty({d.N, d.HV, d.K, d.V}, opts);
+    fresh = state_v_first ? empty_output({d.N, d.HV, d.V, d.K}, opts)
+                          : empty_output({d.N, d.HV, d.K, d.V}, opts);
     // as check_serving plans it for a caller's final_state (1-D or no indices: not in place)
     std::iota(plan.dst_row.begin(), plan.dst_row.end(), int64_t(0));
   }

@@ -148,8 +148,7 @@ def fused_recurrent_fast(q, k, v, g, beta, scale, initial_state, output_final_st
     path returns. A decode step's Python cost: docs/benchmarks.md "Decode: the Python layer,
     fifth round". Not under ``torch.compile`` (dynamo traces the checked path).
     """
-    if not (LOAD_ERROR is None and not torch.compiler.is_compiling()
-            and isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
             and isinstance(g, Tensor) and isinstance(beta, Tensor)
             and (initial_state is None or isinstance(initial_state, Tensor))
             and (A_log is None or isinstance(A_log, Tensor))
@@ -160,7 +159,8 @@ def fused_recurrent_fast(q, k, v, g, beta, scale, initial_state, output_final_st
             and type(use_qk_l2norm_in_kernel) is bool and type(use_gate_in_kernel) is bool
             and type(use_beta_sigmoid_in_kernel) is bool and type(allow_neg_eigval) is bool
             and type(state_v_first) is bool and type(inplace_final_state) is bool
-            and type(pad_slot_id) is int):
+            and type(pad_slot_id) is int
+            and LOAD_ERROR is None and not torch.compiler.is_compiling()):
         return None
     if (ssm_state_indices is None and num_accepted_tokens is None and out is None
             and not inplace_final_state and beta.dim() != 4):

@@ -144,3 +144,27 @@ def test_bitwise_identical_for_1_2_3_4_intra_op_threads(case):
     for n, res in zip((2, 3, 4), results[1:]):
         for j, (a, b) in enumerate(zip(res, results[0])):
             assert torch.equal(a, b), f"{n} threads vs 1: tensor {j}"
+
+
+@pytest.mark.parametrize("op", ["fused_recurrent", "chunk"])
+def test_bitwise_identical_where_the_token_blocks_differ_with_the_thread_count(op):
+    # The forward's token-block workspace grows with more than 4 threads (csrc/cpu/recurrent_fwd.cpp,
+    # plan_blocks): at K = 64, H = 2, HV = 8 (fp32) a block has 1600 tokens of each sequence at 1
+    # thread and 3200 at 8 (more than 3 x 1600 / 3 x 3200 tokens in all, so both cut into blocks),
+    # and these sequences are cut at different tokens; the results must not change.
+    p = make_problem(seqlens=(7000, 3, 3300), H=2, HV=8, K=64, V=12, gate="softplus",
+                     seed=603, dtype=torch.float32)
+    fn = getattr(torch_kda, f"{op}_kda")
+
+    def run():
+        x = p.to(torch.float32, requires_grad=True)
+        o, s = fn(*x.args, **x.kwargs, backend="native")
+        ts = list(x.tensors().values())
+        grads = torch.autograd.grad(o.square().sum() + s.sin().sum(), ts)
+        with torch.no_grad():
+            o_inf, s_inf = fn(*x.args, **x.kwargs, backend="native")
+        return [o.detach(), s.detach(), o_inf, s_inf, *grads]
+
+    one, eight = per_thread_count(run, (1, 8))
+    for j, (a, b) in enumerate(zip(eight, one)):
+        assert torch.equal(a, b), f"8 threads vs 1: tensor {j}"

@@ -207,14 +207,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_forward(const Inputs& in, con
 // t - A.seqs.vo_shift[n] when those are non-null), A.ht holds each sequence's running state
 // between blocks (a block with rs[n] == seqs.start[n] starts from h0 instead), and the block's
 // o rows written to A.o are converted into o afterwards. The block plan depends on the shapes
-// only (never on the thread count). An empty sequence appears in block 0 with rs == re.
+// only, or with grow_with_threads also on the thread count (more than 4 threads get larger
+// blocks; only for a run_block whose results do not depend on where blocks start). An empty
+// sequence appears in block 0 with rs == re.
 template <typename T>
 using BlockRunner = std::function<void(const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
                                        const std::vector<int64_t>& re, int64_t j)>;
 template <typename T>
 void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
                      const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
-                     const at::Tensor& ckpt, const BlockRunner<T>& run_block);
+                     const at::Tensor& ckpt, bool grow_with_threads,
+                     const BlockRunner<T>& run_block);
 
 // CPU chunkwise forward (csrc/cpu/chunk_fwd.cpp): the contract of recurrent_fwd_cpu (the same
 // outputs and checkpoints, equal to rounding), computed chunk by chunk with matrix products.

@@ -267,20 +267,28 @@ std::optional<kernels::Storage> storage_of(at::ScalarType st, at::ScalarType ct)
 }
 
 // Token blocks of the forward: the pre-processed q, k, decay, decay*k and beta of one block of
-// every sequence (tb tokens each) live in a small workspace (~8 MB: L3-resident, and reused by
+// every sequence (tb tokens each) live in a small workspace (8 MB: cache-resident, and reused by
 // the allocator from call to call instead of page-faulting fresh full-size arrays in); the
-// recurrence runs over the block, then the next block is pre-processed. A function of the shapes
-// only (never of the thread count), so the result does not depend on the thread count.
+// recurrence runs over the block, then the next block is pre-processed. For the recurrent
+// kernels (grow_with_threads) the workspace grows by 2 MB per thread beyond 4 threads: each block
+// costs two parallel regions (the pre-processing pass, then the units), and on the 16-core host
+// 64-token blocks (H32) spent more in those barriers than the smaller workspace saved (H32 at 16
+// threads 117-161K -> 160-170K tokens/s with 32 MB; at 1 thread on the 2-core box 32 MB ran 5-10%
+// slower than 8 MB). Their results do not depend on the block size (each token's arithmetic is
+// the same in any block), so neither do they on the thread count (tests/test_concurrency.py
+// compares 1 and 8 threads where the plans differ). The chunk forward's products do depend on
+// how many chunks a block holds (in the last bits), so its blocks stay a function of the shapes.
 struct BlockPlan {
   int64_t tb = 0;        // tokens of a sequence per block
   int64_t n_blocks = 0;
   int64_t nb = 0;        // workspace rows (tokens of all sequences in one block)
 };
 
-BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt) {
-  constexpr int64_t kBudget = int64_t(8) << 20;
+BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt, bool grow_with_threads) {
+  const int64_t threads = grow_with_threads ? std::max<int64_t>(1, at::get_num_threads()) : 1;
+  const int64_t budget = std::max<int64_t>(8, 2 * threads) << 20;
   const int64_t per_token = ((2 * d.H + 2 * d.HV) * d.K + d.HV) * static_cast<int64_t>(elt);
-  int64_t tb = std::max<int64_t>(1, kBudget / std::max<int64_t>(1, per_token));
+  int64_t tb = std::max<int64_t>(1, budget / std::max<int64_t>(1, per_token));
   tb = std::min<int64_t>(4096, std::max<int64_t>(kernels::kChunk, tb / kernels::kChunk * kernels::kChunk));
   int64_t max_len = 0;
   for (size_t n = 0; n < s.start.size(); ++n) max_len = std::max(max_len, s.end[n] - s.start[n]);
@@ -304,11 +312,12 @@ BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt) {
 template <typename T>
 void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
                      const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
-                     const at::Tensor& ckpt, const BlockRunner<T>& run_block) {
+                     const at::Tensor& ckpt, bool grow_with_threads,
+                     const BlockRunner<T>& run_block) {
   const auto ct = compute_dtype(in.q);
   const auto opts = in.q.options().dtype(ct);
   const int64_t BT = d.B * d.T;
-  const BlockPlan plan = plan_blocks(d, seqs, sizeof(T));
+  const BlockPlan plan = plan_blocks(d, seqs, sizeof(T), grow_with_threads);
   const int64_t nb = plan.nb;
   // bf16 / fp16 inputs of an fp32 computation are read as they are by the pre-processing pass,
   // which widens them in registers (half the bytes, no conversion pass; v is widened into the
@@ -457,10 +466,10 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
 }
 template void run_fwd_blocked<float>(const Inputs&, const Config&, const Dims&, const Sequences&,
                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     const at::Tensor&, const BlockRunner<float>&);
+                                     const at::Tensor&, bool, const BlockRunner<float>&);
 template void run_fwd_blocked<double>(const Inputs&, const Config&, const Dims&, const Sequences&,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const BlockRunner<double>&);
+                                      const at::Tensor&, bool, const BlockRunner<double>&);
 
 namespace {
 
@@ -493,7 +502,7 @@ void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Seq
   const int64_t ws_stride = kernels::fwd_scratch_elems(d.K, n_slices);
   const at::Tensor thread_ws = at::empty({threads * ws_stride}, in.q.options().dtype(compute_dtype(in.q)));
   T* const ws0 = thread_ws.data_ptr<T>();
-  run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt,
+  run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, /*grow_with_threads=*/true,
                      [&](const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
                          const std::vector<int64_t>& re, int64_t j) {
     // An empty sequence still runs once (in block 0), so its final state is its initial state.

@@ -1115,11 +1115,13 @@ std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_serving_fast(
 
 namespace {
 
-// scale's default, K ** -0.5 (q's last dimension), after the checks that reading K needs.
+// scale's default, K ** -0.5 (q's last dimension), after the checks that reading K needs;
+// computed as the Python API computes it (1 / sqrt(K) differs from it in the last bit for about
+// a fifth of the K, e.g. 8 and 32), so both APIs give the same bits.
 double default_scale(const at::Tensor& q, const FusedRecurrentOptions& o, const char* who) {
   KDA_CHECK_TYPE(q.defined(), who, "q must be a defined tensor");
   KDA_CHECK_VALUE(q.dim() == 4, who, "q must be 4-D [B, T, H, K], got shape ", detail::shape_str(q.sizes()));
-  return o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  return o.scale ? *o.scale : detail::python_default_scale(q.size(3));
 }
 
 // Whether the options (or a head-wise beta) ask for the serving path (docs/serving.md).

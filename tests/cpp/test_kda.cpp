@@ -136,6 +136,23 @@ TEST_P(Forms, ForwardMatchesNaiveLoopGvaGateNormSigmoid) {
   EXPECT_LT(rel_err(st, rs), 1e-12);
 }
 
+// scale unset means K ** -0.5 as the Python API computes it (std::pow), not 1 / sqrt(K): they
+// differ in the last bit at K = 8, and then the two APIs would give different bits.
+TEST_P(Forms, DefaultScaleIsThePythonApisPowerOfK) {
+  Problem p;
+  p.K = 8;  // float64: the last bit of the scale reaches the outputs
+  const Data d = make_data(p, 9);
+  auto o = full_options(d);
+  o.scale = std::nullopt;
+  auto [out, st] = kda_op(d.q, d.k, d.v, d.g, d.beta, o);
+  o.scale = std::pow(8.0, -0.5);
+  auto [want, want_st] = kda_op(d.q, d.k, d.v, d.g, d.beta, o);
+  EXPECT_TRUE(at::equal(out, want));
+  EXPECT_TRUE(at::equal(st, want_st));
+  auto [ro, rs] = naive(d.q, d.k, d.v, d.g, d.beta, std::pow(8.0, -0.5), o);
+  EXPECT_LT(rel_err(out, ro), 1e-12);
+}
+
 TEST_P(Forms, ForwardBoundedGateNegEigvalStateVFirst) {
   Problem p;
   p.K = 9;

@@ -1,8 +1,9 @@
 """The native ops take their large outputs (o, the final state, the checkpoints) from a bounded
 per-process cache of freed blocks (csrc/cpu/output_cache.cpp), so a call reuses the pages of the
 previous call's outputs instead of faulting fresh ones in. These tests pin down that reuse
-happens, that the limit on the bytes held is respected, that the results do not change, and
-that the tensors are ordinary tensors (resize, autograd, pickling, freed on another thread).
+happens, that the limit on the bytes held is respected, that the results do not change, that
+gradients still held are never handed out again, and that the tensors are ordinary tensors
+(resize, autograd, pickling, freed on another thread).
 
 Shapes: o is T * HV * V * 4 bytes = 1.2 MB and the checkpoints 19 slots of 64 KB (both above the
 1 MB threshold); the final state (64 KB) is below it and comes from the ordinary allocator."""
@@ -87,17 +88,68 @@ def test_results_are_bitwise_identical_with_the_cache_off(cache_limit):
         assert torch.equal(o_on, off[0]) and torch.equal(s_on, off[1])
 
 
-def test_gradients_through_cached_outputs_and_checkpoints_are_unchanged(cache_limit):
-    p = problem(seed=3)
+def chunk(p):
+    return torch_kda.chunk_kda(*p.args, **p.kwargs, backend="native")
+
+
+OPS = {"recurrent": native, "chunk": chunk}
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_through_cached_outputs_and_checkpoints_are_unchanged(cache_limit, op, dtype):
+    # With 16-bit inputs the backward widens grad_o and the inputs and narrows the gradients
+    # through cached blocks too; a V-first initial state is transposed into one.
+    p = problem(seed=3, T=2400, state_v_first=True)
     cache_limit(256 * MB)
-    x = p.to(torch.float32, requires_grad=True)
-    g_on = [grads(native, x) for _ in range(2)]
+    x = p.to(dtype, requires_grad=True)
+    g_on = [grads(OPS[op], x) for _ in range(2)]
     assert stats()["hits"] > 0
     cache_limit(0)
-    g_off = grads(native, x)
+    g_off = grads(OPS[op], x)
     for g in g_on:
         for name, t in g_off.items():
             assert (t is None and g[name] is None) or torch.equal(g[name], t), name
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_held_from_one_call_stay_intact_through_the_next(cache_limit, op, dtype):
+    # The gradients handed to the caller are cached blocks (T = 2400: 1.2 MB and up, in bf16
+    # too). A block goes back to the cache only when its tensor is freed: the next call, which
+    # reuses the first call's freed workspace, must not write into gradients still held.
+    cache_limit(256 * MB)
+    fn = OPS[op]
+    x1 = problem(seed=8, T=2400, state_v_first=True).to(dtype, requires_grad=True)
+    x2 = problem(seed=9, T=2400, state_v_first=True).to(dtype, requires_grad=True)
+    g1 = grads(fn, x1)
+    big = [n for n, t in g1.items() if t is not None and t.nbytes >= MB]
+    assert {"q", "k", "v", "g"} <= set(big)
+    assert stats()["in_use"] >= sum(g1[n].nbytes for n in big)  # they are the cache's blocks
+    kept = {n: t.clone() for n, t in g1.items() if t is not None}
+    before = stats()
+    g2 = grads(fn, x2)
+    assert stats()["hits"] > before["hits"]  # the second call did reuse freed blocks
+    for name, t in kept.items():
+        assert torch.equal(g1[name], t), name
+        assert not torch.equal(g2[name], t), name  # other inputs, other gradients
+    first = {g1[n].untyped_storage().data_ptr() for n in kept}
+    assert first.isdisjoint(g2[n].untyped_storage().data_ptr() for n in kept)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_repeated_training_steps_map_no_new_blocks(cache_limit, op):
+    # After one step every large buffer of forward + backward (16-bit inputs: the widened copies,
+    # the fp32 gradients and their bf16 copies) is served from blocks the previous step freed.
+    cache_limit(256 * MB)
+    x = problem(seed=10, T=2400).to(torch.bfloat16, requires_grad=True)
+    grads(OPS[op], x)
+    before = stats()
+    g = grads(OPS[op], x)
+    after = stats()
+    assert after["misses"] == before["misses"]
+    assert after["hits"] > before["hits"]
+    del g
 
 
 def test_the_bytes_held_stay_within_the_limit(cache_limit):

@@ -173,8 +173,9 @@ BwdSetup backward_setup(const at::Tensor& d_o, const std::optional<at::Tensor>& 
   s.seqs = make_sequences(in, s.d);
   s.h0 = state_kv(in.initial_state, cfg, ct);
   s.dht = state_kv(d_final_state, cfg, ct);
-  s.dout = d_o.to(ct).reshape({BT, s.d.HV, s.d.V}).contiguous();
-  s.ckpt = checkpoints.to(ct).contiguous();
+  // (16-bit grad_o: widened into a reused block of the output cache, not a fresh full-size copy.)
+  s.dout = to_output(d_o, ct).reshape({BT, s.d.HV, s.d.V});
+  s.ckpt = to_output(checkpoints, ct);
   return s;
 }
 
@@ -192,14 +193,14 @@ std::vector<at::Tensor> backward_finish(const BwdSetup& s, const KernelGrads& kg
   const bool in_place = groups == 1;
   const bool qk_in_place = in_place && d.HV == d.H;
   InputGrads o;
-  o.dq = qk_in_place ? kg.dq.view({BT, d.H, d.K}) : at::empty({BT, d.H, d.K}, opts);
-  o.dk = qk_in_place ? kg.dk.view({BT, d.H, d.K}) : at::empty({BT, d.H, d.K}, opts);
+  o.dq = qk_in_place ? kg.dq.view({BT, d.H, d.K}) : empty_output({BT, d.H, d.K}, opts);
+  o.dk = qk_in_place ? kg.dk.view({BT, d.H, d.K}) : empty_output({BT, d.H, d.K}, opts);
   if (!qk_in_place) {
     advise_huge_pages(o.dq);
     advise_huge_pages(o.dk);
   }
-  o.dg = in_place ? kg.dg.view({BT, d.HV, d.K}) : at::empty({BT, d.HV, d.K}, opts);
-  o.dbeta = in_place ? kg.dbeta.view({BT, d.HV}) : at::empty({BT, d.HV}, opts);
+  o.dg = in_place ? kg.dg.view({BT, d.HV, d.K}) : empty_output({BT, d.HV, d.K}, opts);
+  o.dbeta = in_place ? kg.dbeta.view({BT, d.HV}) : empty_output({BT, d.HV}, opts);
   if (!in_place) advise_huge_pages(o.dg);
   if (cfg.use_gate_in_kernel && in.A_log) o.dA_rows = at::empty({BT, d.HV}, opts);
   o.dv = kg.dv;
@@ -305,15 +306,18 @@ std::vector<at::Tensor> backward_outputs(const InputGrads& o, const Dims& d, con
     if (gate && in.dt_bias) dbias = column_sums<float>(o.dg.reshape({BT, d.HV * d.K}));
   }
 
+  // In the inputs' dtypes: the gradients themselves in the compute dtype, else converted into
+  // blocks of the output cache (a block returns to the cache only when the caller's gradient
+  // tensor is freed, so a gradient still held is never handed out again).
   std::vector<at::Tensor> out(8);
-  out[0] = o.dq.reshape({d.B, d.T, d.H, d.K}).to(in.q.scalar_type());
-  out[1] = o.dk.reshape({d.B, d.T, d.H, d.K}).to(in.k.scalar_type());
-  out[2] = o.dv.reshape({d.B, d.T, d.HV, d.V}).to(in.v.scalar_type());
-  out[3] = o.dg.reshape({d.B, d.T, d.HV, d.K}).to(in.g.scalar_type());
-  out[4] = o.dbeta.reshape({d.B, d.T, d.HV}).to(in.beta.scalar_type());
+  out[0] = to_output(o.dq.reshape({d.B, d.T, d.H, d.K}), in.q.scalar_type());
+  out[1] = to_output(o.dk.reshape({d.B, d.T, d.H, d.K}), in.k.scalar_type());
+  out[2] = to_output(o.dv.reshape({d.B, d.T, d.HV, d.V}), in.v.scalar_type());
+  out[3] = to_output(o.dg.reshape({d.B, d.T, d.HV, d.K}), in.g.scalar_type());
+  out[4] = to_output(o.dbeta.reshape({d.B, d.T, d.HV}), in.beta.scalar_type());
   if (in.initial_state) {
     at::Tensor h = cfg.state_v_first ? o.dh0.transpose(-1, -2) : o.dh0;
-    out[5] = h.to(in.initial_state->scalar_type()).contiguous();
+    out[5] = to_output(h, in.initial_state->scalar_type());
   } else {
     out[5] = at::empty({0}, opts);
   }

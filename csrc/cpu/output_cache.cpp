@@ -242,6 +242,13 @@ at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& opts) {
 
 at::Tensor empty_output_like(const at::Tensor& t) { return empty_output(t.sizes(), t.options()); }
 
+at::Tensor to_output(const at::Tensor& t, at::ScalarType dtype) {
+  if (t.scalar_type() == dtype && t.is_contiguous()) return t;
+  at::Tensor out = empty_output(t.sizes(), t.options().dtype(dtype));
+  out.copy_(t);
+  return out;
+}
+
 OutputCacheStats output_cache_stats() { return cache().stats(); }
 
 int64_t set_output_cache_limit(int64_t bytes) { return cache().set_limit(bytes); }

@@ -30,6 +30,12 @@ at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& opts);
 // empty_output with the sizes and options of t (contiguous).
 at::Tensor empty_output_like(const at::Tensor& t);
 
+// t in `dtype`, contiguous: t itself when it already is (as t.to(dtype).contiguous() returns),
+// else a copy (copy_: the conversion of .to(), the same bits) into an empty_output block. For the
+// conversions of a call's large inputs and outputs (a 16-bit grad_o to fp32, the fp32 gradients
+// to the inputs' 16-bit dtypes): fresh at::empty copies faulted in 10-26K pages per backward.
+at::Tensor to_output(const at::Tensor& t, at::ScalarType dtype);
+
 // What the cache holds and did since the process started (tests, benchmarks).
 struct OutputCacheStats {
   int64_t limit = 0;       // bytes the free list may hold (0: cache off)

@@ -58,12 +58,13 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   constexpr int64_t C = kernels::kChunk;
   const bool gate = cfg.use_gate_in_kernel;
   const bool l2 = cfg.use_qk_l2norm_in_kernel;
-  // Inputs in the compute dtype (no copy when they are already), read at the global token.
-  const at::Tensor q_c = in.q.to(ct).contiguous();
-  const at::Tensor k_c = in.k.to(ct).contiguous();
-  const at::Tensor g_c = in.g.to(ct).contiguous();
-  const at::Tensor b_c = in.beta.to(ct).contiguous();
-  const at::Tensor v_c = in.v.to(ct).reshape({BT, HV, d.V}).contiguous();
+  // Inputs in the compute dtype (no copy when they are already; 16-bit ones widened into blocks
+  // of the output cache), read at the global token.
+  const at::Tensor q_c = to_output(in.q, ct);
+  const at::Tensor k_c = to_output(in.k, ct);
+  const at::Tensor g_c = to_output(in.g, ct);
+  const at::Tensor b_c = to_output(in.beta, ct);
+  const at::Tensor v_c = to_output(in.v, ct).reshape({BT, HV, d.V});
   at::Tensor expA, bias;
   if (gate && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
   if (gate && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});

@@ -43,11 +43,17 @@ constexpr size_t kGrain = size_t(64) << 10;
 constexpr size_t kSlackDiv = 8;
 constexpr size_t kHuge = size_t(2) << 20;
 
+// min(2 GB, RAM / 8): a training step (forward + backward) frees all its blocks at its end, and
+// the next step reuses them only if the free list can hold them all: 0.9-1.2 GB at B1 T8K H16
+// with 16-bit inputs (widened inputs and grad_o, fp32 gradients and their 16-bit copies, the chunk
+// backward's full-size pre-processing). With 512 MB the oldest were unmapped every step and mapped
+// again (huge-page faults: 27-51% of the step in the kernel; docs/benchmarks.md "Prefill without
+// page faults").
 int64_t default_limit() {
-  int64_t limit = int64_t(512) << 20;
+  int64_t limit = int64_t(2048) << 20;
 #if defined(__linux__)
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  if (pages > 0 && page > 0) limit = std::min<int64_t>(limit, int64_t(pages) * page / 16);
+  if (pages > 0 && page > 0) limit = std::min<int64_t>(limit, int64_t(pages) * page / 8);
 #endif
   if (const char* env = std::getenv("TORCH_KDA_OUTPUT_CACHE_MB")) {
     // A whole number of megabytes, 0 turning the cache off. Anything else ("1e3", "-5", "64MB")

@@ -9,7 +9,7 @@
 // (already mapped: no faults). The tensors are ordinary resizable CPU tensors; only their storage's
 // allocator differs.
 //
-// Limit: the bytes held by the free list (blocks not in use), default min(512 MB, RAM / 16),
+// Limit: the bytes held by the free list (blocks not in use), default min(2 GB, RAM / 8),
 // environment variable TORCH_KDA_OUTPUT_CACHE_MB (read once; 0 disables the cache). Blocks under
 // 1 MB are not cached (the ordinary allocator reuses those without faults). Thread-safe: a tensor
 // may be freed on any thread.

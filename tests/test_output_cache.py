@@ -240,6 +240,16 @@ def _limit_with(value):
     return int(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
+def test_the_default_limit_is_2_gb_or_an_eighth_of_the_ram():
+    # Large enough for the blocks a training step at B1 T8K H16 frees at its end (0.5-1.2 GB),
+    # an eighth of the RAM at most on small machines (the RAM is read on Linux only).
+    expected = 2048 * MB
+    if sys.platform.startswith("linux"):
+        expected = min(expected, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8)
+    limit, _ = _limit_with(None)
+    assert limit == expected
+
+
 def test_a_value_that_is_not_a_whole_number_of_megabytes_warns_and_keeps_the_default():
     # "1e3" was read as its leading digit (a 1 MB cache) and "-5" as 0 (no cache), silently.
     default, _ = _limit_with(None)

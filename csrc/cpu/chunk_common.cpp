@@ -96,15 +96,6 @@ inline void dot2(const T* __restrict x, const T* __restrict z, const T* __restri
   rz = az[0];
 }
 
-// The bf16 products over a chunk's tokens read their A operands up to product_cols columns (the
-// packed B takes rows in pairs, blocks of 16; its rows there are zero): zero columns
-// [from, to) of `rows` rows, so no stale value (possibly inf or NaN) meets those zeros.
-inline void zero_cols(at::BFloat16* a, int64_t rows, int64_t ld, int64_t from, int64_t to) {
-  for (int64_t r = 0; r < rows; ++r) {
-    std::fill(a + r * ld + from, a + r * ld + to, at::BFloat16(0.0f));
-  }
-}
-
 }  // namespace
 
 template <typename T>
@@ -119,8 +110,8 @@ ChunkWork<T>::ChunkWork(Carver& c, int64_t K, int64_t V) {
   rhs = c.take<T>(kSub * (K + V));
   dinv = c.take<T>(kC * kSub);
   lq = c.take<T>(2 * kSub * K);
-  kr = c.take<T>(kC * K);
-  w = c.take<T>(K);
+  kr = c.take<T>(kSub * K);
+  w = c.take<T>(4 * K);
 }
 
 template <typename T>
@@ -137,148 +128,12 @@ void bind_results(ChunkWork<T>& w, Carver& store, int64_t K, int64_t V, bool bf1
   }
 }
 
-// Rows [first, last] of kr: k_j . a_{j+1} ... a_last (keys decayed to token last, a running
-// product walked backwards; every factor <= 1). With stop_at_zero the walk ends once the running
-// product is all zero: the rows before are then exactly zero and are not written. Returns the
-// first row written. Inlined into the multi-versioned callers.
-template <typename T>
-KDA_ALWAYS_INLINE int64_t keys_decayed_to(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t first,
-                                          int64_t last, bool stop_at_zero = false) {
-  const int64_t K = c.K;
-  T* __restrict run = w.w;
-  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
-  for (int64_t j = last; j >= first; --j) {
-    const T* __restrict k = c.k + j * K;
-    const T* __restrict a = c.a + j * K;
-    T* __restrict kr = w.kr + j * K;
-    KDA_IVDEP
-    for (int64_t d = 0; d < K; ++d) {
-      kr[d] = k[d] * run[d];
-      run[d] *= a[d];
-    }
-    if (stop_at_zero && !any_nonzero(run, K)) return j;
-  }
-  return first;
-}
-
-template <typename T>
-KDA_CLONES void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w) {
-  const int64_t n = c.n, K = c.K;
-  const bool bf16 = w.prod.mode != Products::kNative;
-  // Gam_i = Gam_{i-1} . a_i (a running product from the chunk start).
-  T* __restrict run = w.w;
-  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
-  for (int64_t i = 0; i < n; ++i) {
-    const T* __restrict a = c.a + i * K;
-    const T* __restrict q = c.q + i * K;
-    T* __restrict g = w.gam + i * K;
-    // With bf16 products the row goes through kr (scratch here) and is rounded into prod.qg.
-    T* __restrict qg = bf16 ? w.kr + i * K : w.qg + i * K;
-    KDA_IVDEP
-    for (int64_t d = 0; d < K; ++d) {
-      run[d] *= a[d];
-      g[d] = run[d];
-      qg[d] = q[d] * run[d];
-    }
-    if constexpr (std::is_same_v<T, float>) {
-      if (bf16) round_bf16(qg, w.prod.qg + i * K, K);
-    }
-  }
-  // kdec_i = k_i . prod_{t>i} a_t (keys decayed to the chunk end), token-major in kr, then
-  // transposed into kdecT.
-  keys_decayed_to(c, w, 0, n - 1);
-  if (bf16) {
-    transpose(w.kr, n, K, K, w.prod.kdecT, kC);
-    zero_cols(w.prod.kdecT, K, kC, n, product_cols(n));
-  } else {
-    transpose(w.kr, n, K, K, w.kdecT, kC);
-  }
-}
-
-
 namespace {
-
-// Rows [r0, r1) of A0 and M against the columns [c0, r0) before them, with the reference token
-// r = r0 - 1: row factors a_r0 ... a_i (interleaved rows k_i . Rf_i, q_i . Rf_i in lq), column
-// factors a_{j+1} ... a_r (k_j . Cf_j in kr, transposed into krT), one GEMM into am.
-template <typename T>
-KDA_ALWAYS_INLINE void offdiag_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t r0, int64_t r1,
-                          int64_t c0) {
-  const int64_t K = c.K;
-  T* __restrict run = w.w;
-  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
-  for (int64_t i = r0; i < r1; ++i) {
-    const T* __restrict a = c.a + i * K;
-    const T* __restrict k = c.k + i * K;
-    const T* __restrict q = c.q + i * K;
-    T* __restrict lk = w.lq + 2 * (i - r0) * K;
-    T* __restrict lqq = lk + K;
-    KDA_IVDEP
-    for (int64_t d = 0; d < K; ++d) {
-      run[d] *= a[d];
-      lk[d] = k[d] * run[d];
-      lqq[d] = q[d] * run[d];
-    }
-  }
-  // Columns whose factor is exactly zero (after strong decays, all but the last few) keep the
-  // zeros intra_am wrote: the product would give exactly 0 there.
-  const int64_t c1 = keys_decayed_to(c, w, c0, r0 - 1, /*stop_at_zero=*/true);
-  transpose(w.kr + c1 * K, r0 - c1, K, K, w.krT, kC);
-  gemm(2 * (r1 - r0), r0 - c1, K, w.lq, K, w.krT, kC, w.am + 2 * r0 * kC + c1, kC, false);
-}
-
-// The causal pairs j <= i inside [lo, hi) (a diagonal block or part of one) in factored form,
-// when the block's total decay keeps every Rf_j = a_lo ... a_j >= kMinBlockDecay: rows
-// k_i . Rf_i, q_i . Rf_i against columns k_j / Rf_j (exp(G_i - G_j) = Rf_i / Rf_j), one GEMM;
-// with with_left the columns [0, lo) before the block join the same GEMM (the off-diagonal
-// factors of offdiag_block, reference lo - 1). Returns false (nothing written) when the block's
-// decay is too strong.
-template <typename T>
-KDA_ALWAYS_INLINE bool factored_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t lo, int64_t hi,
-                           bool with_left) {
-  const int64_t K = c.K;
-  T* __restrict run = w.w;
-  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
-  for (int64_t i = lo; i < hi; ++i) {
-    const T* __restrict a = c.a + i * K;
-    KDA_IVDEP
-    for (int64_t d = 0; d < K; ++d) run[d] *= a[d];
-  }
-  T least = T(1);
-  for (int64_t d = 0; d < K; ++d) least = std::min(least, run[d]);
-  if (!(least >= kMinBlockDecay<T>)) return false;
-  for (int64_t d = 0; d < K; ++d) run[d] = T(1);
-  for (int64_t i = lo; i < hi; ++i) {
-    const T* __restrict a = c.a + i * K;
-    const T* __restrict k = c.k + i * K;
-    const T* __restrict q = c.q + i * K;
-    T* __restrict lk = w.lq + 2 * (i - lo) * K;
-    T* __restrict lqq = lk + K;
-    T* __restrict kr = w.kr + i * K;
-    KDA_IVDEP
-    for (int64_t d = 0; d < K; ++d) {
-      run[d] *= a[d];
-      lk[d] = k[d] * run[d];
-      lqq[d] = q[d] * run[d];
-      kr[d] = k[d] / run[d];
-    }
-  }
-  const int64_t c0 = with_left ? 0 : lo;
-  if (with_left) keys_decayed_to(c, w, 0, lo - 1);
-  transpose(w.kr + c0 * K, hi - c0, K, K, w.krT, kC);
-  gemm(2 * (hi - lo), hi - c0, K, w.lq, K, w.krT, kC, w.am + 2 * lo * kC + c0, kC, false);
-  // Keep the causal part: A0 strictly lower, M lower.
-  for (int64_t i = lo; i < hi; ++i) {
-    std::fill(w.am + 2 * i * kC + i, w.am + 2 * i * kC + hi, T(0));
-    std::fill(w.am + (2 * i + 1) * kC + i + 1, w.am + (2 * i + 1) * kC + hi, T(0));
-  }
-  return true;
-}
 
 #if defined(KDA_HAVE_VEC16)
 // direct_block for float and K a multiple of 32 (at most kDirectMaxK): p in 16-lane vectors,
 // two partial sums per product, reduced by a fixed tree. A column stops once p is all zero (its
-// later products are exactly 0; intra_am zeroed the rows): after strong decays most do within a
+// later products are exactly 0; decays_and_am zeroed the rows): after strong decays most do within a
 // few tokens.
 constexpr int64_t kDirectMaxK = 256;
 KDA_ALWAYS_INLINE void direct_block_vec(const ChunkIn<float>& c, ChunkWork<float>& w, int64_t lo,
@@ -354,33 +209,6 @@ KDA_ALWAYS_INLINE void direct_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_
 
 }  // namespace
 
-template <typename T>
-KDA_CLONES void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
-  const int64_t n = c.n;
-  const int64_t nb = (n + kSub - 1) / kSub;
-  const int64_t ncol = nb * kSub;  // columns the later products read (zero past n)
-  for (int64_t i = 0; i < n; ++i) {
-    std::fill(w.am + 2 * i * kC, w.am + 2 * i * kC + ncol, T(0));
-    std::fill(w.am + (2 * i + 1) * kC, w.am + (2 * i + 1) * kC + ncol, T(0));
-  }
-  for (int64_t I = 0; I < nb; ++I) {
-    const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub);
-    // Row block I: the columns before it and its diagonal block in one GEMM where the block's
-    // decay allows the factored form; else the columns before it, then the block's pairs in the
-    // direct form.
-    if (factored_block(c, w, b0, b1, /*with_left=*/b0 > 0)) continue;
-    if (b0 > 0) offdiag_block(c, w, b0, b1, 0);
-    direct_block(c, w, b0, b1);
-  }
-  // na = -beta_i A0_ij (strictly lower).
-  for (int64_t i = 0; i < n; ++i) {
-    const T nb_i = -c.beta[i];
-    const T* a0 = w.am + 2 * i * kC;
-    T* r = w.na + i * kC;
-    for (int64_t j = 0; j < i; ++j) r[j] = nb_i * a0[j];
-  }
-}
-
 namespace {
 
 // Row i of the solve's right-hand side R = [-beta_i Gam_i . k_i | beta_i v_i] into r [K + V].
@@ -398,6 +226,185 @@ KDA_ALWAYS_INLINE void rhs_row(const ChunkIn<T>& c, const ChunkWork<T>& w, int64
   for (int64_t e = 0; e < V; ++e) r[K + e] = b * v[e];
 }
 
+// tot = a_lo ... a_{hi-1} per channel (the block's total decay); whether its least entry keeps
+// the factored form safe (kMinBlockDecay: 1 / Rf_j <= e^60 for every j of the block).
+template <typename T>
+KDA_ALWAYS_INLINE bool block_decay(const ChunkIn<T>& c, int64_t lo, int64_t hi,
+                                   T* __restrict tot) {
+  const int64_t K = c.K;
+  for (int64_t d = 0; d < K; ++d) tot[d] = T(1);
+  for (int64_t i = lo; i < hi; ++i) {
+    const T* __restrict a = c.a + i * K;
+    KDA_IVDEP
+    for (int64_t d = 0; d < K; ++d) tot[d] *= a[d];
+  }
+  T least = T(1);
+  for (int64_t d = 0; d < K; ++d) least = std::min(least, tot[d]);
+  return least >= kMinBlockDecay<T>;
+}
+
+// One pass over the rows [b0, b1) of row block I (the only pass that reads the chunk's q, k, a,
+// v rows; every operand is written once, in the layout its product reads):
+//   gam_i = gam_{i-1} . a_i and q_i . gam_i (qg: fp32, or rounded into prod.qg);
+//   the row factors Rf_i = a_b0 ... a_i: k_i . Rf_i, q_i . Rf_i interleaved in lq;
+//   factored: the block's own column factors k_i / Rf_i in kr (row i - b0);
+//   bf16 products: the solve's right-hand side row [-beta_i gam_i . k_i | beta_i v_i], rounded
+//   into the staging of its packed B operand (chunk_products.h, stage_b_row).
+template <typename T>
+KDA_ALWAYS_INLINE void block_rows(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t b0, int64_t b1,
+                                  bool factored) {
+  const int64_t K = c.K;
+  [[maybe_unused]] const int64_t V = c.V;
+  T* __restrict rf = w.w + 2 * K;
+  const T* __restrict one = w.w + 3 * K;
+  for (int64_t d = 0; d < K; ++d) rf[d] = T(1);
+  [[maybe_unused]] const bool bf16 = w.prod.mode != Products::kNative;
+  for (int64_t i = b0; i < b1; ++i) {
+    const T* __restrict a = c.a + i * K;
+    const T* __restrict k = c.k + i * K;
+    const T* __restrict q = c.q + i * K;
+    const T* __restrict gp = i > 0 ? w.gam + (i - 1) * K : one;
+    T* __restrict g = w.gam + i * K;
+    // With bf16 products q . gam goes through the scratch row (rhs) into prod.qg.
+    T* __restrict qg = bf16 ? w.rhs : w.qg + i * K;
+    T* __restrict lk = w.lq + 2 * (i - b0) * K;
+    T* __restrict lqq = lk + K;
+    KDA_IVDEP
+    for (int64_t d = 0; d < K; ++d) {
+      const T gi = gp[d] * a[d];
+      g[d] = gi;
+      qg[d] = q[d] * gi;
+      rf[d] *= a[d];
+      lk[d] = k[d] * rf[d];
+      lqq[d] = q[d] * rf[d];
+    }
+    if (factored) {
+      T* __restrict kr = w.kr + (i - b0) * K;
+      KDA_IVDEP
+      for (int64_t d = 0; d < K; ++d) kr[d] = k[d] / rf[d];
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      if (bf16) {
+        round_bf16(qg, w.prod.qg + i * K, K);
+        rhs_row(c, w, i, w.rhs);
+        stage_b_row(w.prod, i, K + V, w.rhs, w.prod.rhs);
+      }
+    }
+  }
+}
+
+// Columns [from, to) of the column factors colf [K, kC] times tot (per channel row); returns
+// the first of them with a nonzero entry (to if none; magnitude bits, so a NaN counts).
+template <typename T>
+KDA_ALWAYS_INLINE int64_t scale_columns(T* __restrict colf, int64_t K, int64_t from, int64_t to,
+                                        const T* __restrict tot) {
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  constexpr U kMag = ~(U(1) << (8 * sizeof(T) - 1));
+  U live[kC] = {};
+  for (int64_t d = 0; d < K; ++d) {
+    const T s = tot[d];
+    T* __restrict row = colf + d * kC;
+    KDA_IVDEP
+    for (int64_t j = from; j < to; ++j) {
+      const T x = row[j] * s;
+      row[j] = x;
+      U u;
+      std::memcpy(&u, &x, sizeof(u));
+      live[j] |= u & kMag;
+    }
+  }
+  for (int64_t j = from; j < to; ++j) {
+    if (live[j]) return j;
+  }
+  return to;
+}
+
+}  // namespace
+
+template <typename T>
+KDA_CLONES void decays_and_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
+  const int64_t n = c.n, K = c.K;
+  const int64_t nb = (n + kSub - 1) / kSub;
+  const int64_t ncol = nb * kSub;  // columns the later products read (zero past n)
+  const bool bf16 = w.prod.mode != Products::kNative;
+  for (int64_t i = 0; i < n; ++i) {
+    std::fill(w.am + 2 * i * kC, w.am + 2 * i * kC + ncol, T(0));
+    std::fill(w.am + (2 * i + 1) * kC, w.am + (2 * i + 1) * kC + ncol, T(0));
+  }
+  T* __restrict tot = w.w + K;
+  std::fill(w.w + 3 * K, w.w + 4 * K, T(1));
+  // The column factors [K, kC], kept against the reference token of the next row block: before
+  // row block I (reference b0 - 1) column j < b0 holds k_j . a_{j+1} ... a_{b0-1}, so after the
+  // last block the end-decayed keys Kdec^T. Each block appends its own columns and scales the
+  // older ones by its total decay (one pass, no recomputed running products). Columns [0, c1)
+  // are exactly zero (after strong decays all but the last few): the products skip them and
+  // they are not kept up to date.
+  T* const colf = bf16 ? w.krT : w.kdecT;
+  int64_t c1 = 0;
+  for (int64_t I = 0; I < nb; ++I) {
+    const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub), rows = b1 - b0;
+    T* const am = w.am + 2 * b0 * kC;
+    const bool factored = block_decay(c, b0, b1, tot);
+    block_rows(c, w, b0, b1, factored);
+    if (factored) {
+      // The columns before the block and its own pairs in one GEMM (exp(G_i - G_j) =
+      // Rf_i / Rf_j inside the block), then only the causal part kept: A0 strictly lower, M lower.
+      transpose(w.kr, rows, K, K, colf + b0, kC);
+      gemm(2 * rows, b1 - c1, K, w.lq, K, colf + c1, kC, am + c1, kC, false);
+      for (int64_t i = b0; i < b1; ++i) {
+        std::fill(w.am + 2 * i * kC + i, w.am + 2 * i * kC + b1, T(0));
+        std::fill(w.am + (2 * i + 1) * kC + i + 1, w.am + (2 * i + 1) * kC + b1, T(0));
+      }
+      c1 = scale_columns(colf, K, c1, b1, tot);
+    } else {
+      if (b0 > c1) gemm(2 * rows, b0 - c1, K, w.lq, K, colf + c1, kC, am + c1, kC, false);
+      direct_block(c, w, b0, b1);
+      c1 = scale_columns(colf, K, c1, b0, tot);
+      // The block's own columns against its last token: k_j . a_{j+1} ... a_{b1-1}, a running
+      // product walked backwards (every factor <= 1).
+      T* __restrict run = w.w;
+      for (int64_t d = 0; d < K; ++d) run[d] = T(1);
+      int64_t first = b1;
+      for (int64_t j = b1 - 1; j >= b0; --j) {
+        const T* __restrict k = c.k + j * K;
+        const T* __restrict a = c.a + j * K;
+        T* __restrict kr = w.kr + (j - b0) * K;
+        KDA_IVDEP
+        for (int64_t d = 0; d < K; ++d) {
+          kr[d] = k[d] * run[d];
+          run[d] *= a[d];
+        }
+        if (any_nonzero(kr, K)) first = j;
+      }
+      transpose(w.kr, rows, K, K, colf + b0, kC);
+      if (c1 == b0) c1 = first;
+    }
+  }
+  // Kdec^T: columns [0, c1) zero, [c1, n) from colf; the bf16 operand is zero up to ncol.
+  for (int64_t d = 0; d < K; ++d) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (bf16) {
+        at::BFloat16* r = w.prod.kdecT + d * kC;
+        std::fill(r, r + c1, at::BFloat16(0.0f));
+        round_bf16(colf + d * kC + c1, r + c1, n - c1);
+        std::fill(r + n, r + product_cols(n), at::BFloat16(0.0f));
+        continue;
+      }
+    }
+    std::fill(colf + d * kC, colf + d * kC + c1, T(0));
+  }
+  // na = -beta_i A0_ij (strictly lower).
+  for (int64_t i = 0; i < n; ++i) {
+    const T nb_i = -c.beta[i];
+    const T* a0 = w.am + 2 * i * kC;
+    T* r = w.na + i * kC;
+    for (int64_t j = 0; j < i; ++j) r[j] = nb_i * a0[j];
+  }
+}
+
+namespace {
+
+
 // solve_wu with bf16 products (w.prod.mode, float only): T = (I + A)^-1 in fp32, then
 // X = T R as one bf16 product (T and R rounded to bf16, as FLA's chunk kernels do for 16-bit
 // inputs) instead of two fp32 GEMMs per row block: the products are the calls that cost, not
@@ -406,8 +413,7 @@ KDA_ALWAYS_INLINE void solve_wu_bf16(const ChunkIn<float>& c, ChunkWork<float>& 
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
   const ProductWork& p = w.prod;
   const int64_t ncol = product_cols(n);
-  for (int64_t i = 0; i < n; ++i) rhs_row(c, w, i, w.x + i * ld);
-  pack_b(p, ncol, ld, n, w.x, ld, p.rhs);
+  finish_b(p, ncol, ld, n, p.rhs);  // R's rows were staged by decays_and_am
   // T row by row, T_i = e_i + sum_{j<i} na_ij T_j (na = -A), rows of kC columns (T_j is zero
   // past column j), written over na: row i of na is read before row i of T replaces it. Two
   // partial sums (even and odd j) halve the chain of dependent additions.
@@ -486,23 +492,22 @@ KDA_CLONES void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w) {
 
 template <typename T>
 void chunk_intra(const ChunkIn<T>& c, ChunkWork<T>& w) {
-  decay_factors(c, w);
-  intra_am(c, w);
+  decays_and_am(c, w);
   solve_wu(c, w);
 }
 
 namespace {
 
 // state_step with bf16 products (chunk_products.h): S packed once for the two products that read
-// it, Vn once for the two that read it; -W and M rounded from the solve's / intra_am's fp32
-// results, q . Gam and Kdec^T already bf16 (decay_factors). Columns and rows past n up to a
+// it, Vn once for the two that read it; -W and M rounded from the solve's / decays_and_am's fp32
+// results, q . Gam and Kdec^T already bf16 (decays_and_am). Columns and rows past n up to a
 // multiple of the products' k-step (product_cols) are zero in both operands of the products over
 // the chunk's tokens.
 KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, float* S,
                                 float* o, int64_t ldo) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
   const ProductWork& p = w.prod;
-  const int64_t ncol = product_cols(n);  // intra_am zeroed M's columns past n up to here
+  const int64_t ncol = product_cols(n);  // decays_and_am zeroed M's columns past n up to here
   float* vn = w.x + K;
   for (int64_t i = 0; i < n; ++i) {
     round_bf16(w.x + i * ld, p.nw + i * K, K);
@@ -561,8 +566,7 @@ KDA_CLONES void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S, T* o, int
 #define KDA_CHUNK_INSTANTIATE(T)                                         \
   template struct ChunkWork<T>;                                          \
   template void bind_results<T>(ChunkWork<T>&, Carver&, int64_t, int64_t, bool);  \
-  template void decay_factors<T>(const ChunkIn<T>&, ChunkWork<T>&);      \
-  template void intra_am<T>(const ChunkIn<T>&, ChunkWork<T>&);           \
+  template void decays_and_am<T>(const ChunkIn<T>&, ChunkWork<T>&);      \
   template void solve_wu<T>(const ChunkIn<T>&, ChunkWork<T>&);           \
   template void chunk_intra<T>(const ChunkIn<T>&, ChunkWork<T>&);        \
   template void state_step<T>(const ChunkIn<T>&, ChunkWork<T>&, T*, T*, int64_t);

@@ -26,6 +26,11 @@
 // "provably safe" case). A block with a stronger decay takes the direct form, a running product
 // p = k_j . a_{j+1} ... a_i per column (vectorised across the channels; a column stops once p is
 // all zero, its later products being exactly 0).
+// The column factors are kept from block to block: after row block I, every column j < b1
+// (the older ones and the block's own: k_j / Rf_j in the factored case, a backward running
+// product in the direct one) is multiplied by the block's total decay a_b0 ... a_{b1-1} (<= 1),
+// which moves its reference to b1 - 1; after the last block they are the end-decayed keys
+// Kdec^T of the state update. Columns whose factors are all zero are left out of the products.
 #pragma once
 
 #include <cstdint>
@@ -112,12 +117,13 @@ struct ChunkIn {
 //   rhs   [kSub, K + V]  (solve) one row block of [-diag(beta) (Gam . K) | diag(beta) V], then
 //                        R_I - A[I, :b0] X[:b0]
 //   dinv  [kC / kSub, kSub, kSub]  (I + A_II)^-1 of each diagonal block II
-//   lq    [2 kSub, K]    row / column factors of one off-diagonal block (scratch)
-//   kr    [kC, K]        (scratch: factor rows before their transposition)
-//   krT   [K, kC]        (scratch)
-//   w     [K]            (scratch)
-// With bf16 state products (prod.mode, float only; set by the forward) decay_factors writes
-// q . Gam and Kdec^T as bf16 operands into prod (qg and kdecT above are then not written).
+//   lq    [2 kSub, K]    row factors of one row block, rows k_i . Rf_i and q_i . Rf_i interleaved
+//   kr    [kSub, K]      (scratch: one block's column factors before their transposition)
+//   krT   [K, kC]        (scratch: the column factors with bf16 products; else kdecT holds them)
+//   w     [4 K]          (scratch: running products, the block's total decay, ones)
+// With bf16 state products (prod.mode, float only; set by the forward) decays_and_am writes
+// q . Gam and Kdec^T as bf16 operands into prod (qg and kdecT above then are scratch or unused),
+// and the solve's right-hand side rows into prod's staging of its packed operand.
 template <typename T>
 struct ChunkWork {
   T *gam, *qg, *kdecT, *am, *na, *x, *rhs, *dinv, *lq, *kr, *krT, *w;
@@ -134,23 +140,21 @@ struct ChunkWork {
 template <typename T>
 void bind_results(ChunkWork<T>& w, Carver& store, int64_t K, int64_t V, bool bf16);
 
-// Gam, q . Gam and the transposed end-decayed keys (gam, qg, kdecT).
+// Gam, q . Gam, the transposed end-decayed keys (gam, qg, kdecT), A0 and M (am) and
+// -beta A0 (na), row block by row block, with one pass over each block's rows (with bf16
+// products also the solve's right-hand side, staged for its product).
 template <typename T>
-void decay_factors(const ChunkIn<T>& c, ChunkWork<T>& w);
-
-// A0 and M (am) and -beta A0 (na).
-template <typename T>
-void intra_am(const ChunkIn<T>& c, ChunkWork<T>& w);
+void decays_and_am(const ChunkIn<T>& c, ChunkWork<T>& w);
 
 // x = (I + A)^-1 [-diag(beta) (Gam . K) | diag(beta) V] = [-W | U] by blocked forward
 // substitution: per row block, a GEMM with the blocks left of the diagonal and one with the
 // diagonal block's inverse (dinv). With bf16 products (w.prod.mode, chunk_products.h) instead
 // T = (I + A)^-1 by forward substitution in fp32, then one bf16 product T R. Needs
-// decay_factors and intra_am.
+// decays_and_am.
 template <typename T>
 void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w);
 
-// All the state-independent quantities of the chunk: decay_factors, intra_am, solve_wu.
+// All the state-independent quantities of the chunk: decays_and_am, solve_wu.
 template <typename T>
 void chunk_intra(const ChunkIn<T>& c, ChunkWork<T>& w);
 

@@ -48,20 +48,19 @@ ProductWork::ProductWork(Products mode_, Carver& c, int64_t K, int64_t V) : mode
   fa = c.take<float>(R * R);
 }
 
-KDA_CLONES void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, const float* src,
-            int64_t lds, void* dst) {
+KDA_CLONES void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows,
+                       const float* src, int64_t lds, void* dst) {
+  for (int64_t r = 0; r < rows; ++r) stage_b_row(p, r, N, src + r * lds, dst);
+  finish_b(p, Kd, N, rows, dst);
+}
+
+void finish_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, void* dst) {
   if (p.mode == Products::kBf16Emulated) {
     float* d = static_cast<float*>(dst);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* __restrict x = src + r * lds;
-      float* __restrict y = d + r * N;
-      for (int64_t e = 0; e < N; ++e) y[e] = static_cast<float>(at::BFloat16(x[e]));
-    }
     std::fill(d + rows * N, d + Kd * N, 0.0f);
     return;
   }
-  at::BFloat16* __restrict b = p.round;
-  for (int64_t r = 0; r < rows; ++r) round_bf16(src + r * lds, b + r * N, N);
+  at::BFloat16* b = p.round;
   std::fill(b + rows * N, b + Kd * N, at::BFloat16(0.0f));
   at::BFloat16* d = static_cast<at::BFloat16*>(dst);
   for (int64_t e0 = 0; e0 < N; e0 += kBlockN) {

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "cpu/carver.h"
+#include "cpu/chunk_vec.h"
 
 namespace kda {
 namespace detail {
@@ -44,8 +45,8 @@ Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char*
 // Per-thread operands of the bf16 state products, parts of a thread's workspace (carver.h), except qg and kdecT, which are per chunk (chunk::bind_results points
 // them into the forward's store of chunk results). A operands (bf16, row-major, zero past the
 // chunk's rows/columns where a product reads them):
-//   qg    [kC, K]   (q_i . Gam_i), written by decay_factors
-//   kdecT [K, kC]   end-decayed keys, transposed, written by decay_factors
+//   qg    [kC, K]   (q_i . Gam_i), written by decays_and_am
+//   kdecT [K, kC]   end-decayed keys, transposed, written by decays_and_am
 //   nw    [kC, K]   -W (from the solve)
 //   m     [kC, kC]  M
 //   tinv  [kC, kC]  (I + A)^-1 (the W/U solve)
@@ -74,6 +75,20 @@ inline int64_t product_cols(int64_t n) { return (n + 15) / 16 * 16; }
 // [rows, Kd), and lays the result out as the B operand of gemm16 in dst (Kd, N multiples of 16).
 void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, const float* src,
             int64_t lds, void* dst);
+
+// pack_b in two steps, for a B operand whose rows are made one by one (the solve's R, in the
+// pass that reads the chunk's rows): stage_b_row rounds row r [N] of it from src (kBf16: into
+// the staging area p.round; kBf16Emulated: rounded and widened back, straight into dst), then,
+// after rows [0, rows), finish_b zeroes rows [rows, Kd) and lays the operand out into dst.
+KDA_ALWAYS_INLINE void stage_b_row(const ProductWork& p, int64_t r, int64_t N, const float* src, void* dst) {
+  if (p.mode == Products::kBf16Emulated) {
+    float* __restrict y = static_cast<float*>(dst) + r * N;
+    for (int64_t e = 0; e < N; ++e) y[e] = static_cast<float>(at::BFloat16(src[e]));
+  } else {
+    round_bf16(src, p.round + r * N, N);
+  }
+}
+void finish_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, void* dst);
 
 // C[M, N] (+)= A[M, Kd] B[Kd, N]: A bf16 row-major (stride lda), B from pack_b, fp32 C.
 void gemm16(const ProductWork& p, int64_t M, int64_t N, int64_t Kd, const at::BFloat16* A,

@@ -238,9 +238,11 @@ KDA_ALWAYS_INLINE bool block_decay(const ChunkIn<T>& c, int64_t lo, int64_t hi,
     KDA_IVDEP
     for (int64_t d = 0; d < K; ++d) tot[d] *= a[d];
   }
-  T least = T(1);
-  for (int64_t d = 0; d < K; ++d) least = std::min(least, tot[d]);
-  return least >= kMinBlockDecay<T>;
+  // Whether every entry passes (an OR of comparison results vectorises; a float min does not
+  // without -ffast-math). A NaN fails.
+  int weak = 0;
+  for (int64_t d = 0; d < K; ++d) weak |= !(tot[d] >= kMinBlockDecay<T>);
+  return weak == 0;
 }
 
 // One pass over the rows [b0, b1) of row block I (the only pass that reads the chunk's q, k, a,

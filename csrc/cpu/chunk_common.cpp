@@ -251,7 +251,7 @@ KDA_ALWAYS_INLINE bool block_decay(const ChunkIn<T>& c, int64_t lo, int64_t hi,
 //   the row factors Rf_i = a_b0 ... a_i: k_i . Rf_i, q_i . Rf_i interleaved in lq;
 //   factored: the block's own column factors k_i / Rf_i in kr (row i - b0);
 //   bf16 products: the solve's right-hand side row [-beta_i gam_i . k_i | beta_i v_i], rounded
-//   into the staging of its packed B operand (chunk_products.h, stage_b_row).
+//   into its packed B operand (chunk_products.h, pack_b_rows).
 template <typename T>
 KDA_ALWAYS_INLINE void block_rows(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t b0, int64_t b1,
                                   bool factored) {
@@ -267,8 +267,8 @@ KDA_ALWAYS_INLINE void block_rows(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t 
     const T* __restrict q = c.q + i * K;
     const T* __restrict gp = i > 0 ? w.gam + (i - 1) * K : one;
     T* __restrict g = w.gam + i * K;
-    // With bf16 products q . gam goes through the scratch row (rhs) into prod.qg.
-    T* __restrict qg = bf16 ? w.rhs : w.qg + i * K;
+    // With bf16 products q . gam goes through a scratch row (rhs row 2) into prod.qg.
+    T* __restrict qg = bf16 ? w.rhs + 2 * (K + V) : w.qg + i * K;
     T* __restrict lk = w.lq + 2 * (i - b0) * K;
     T* __restrict lqq = lk + K;
     KDA_IVDEP
@@ -288,8 +288,12 @@ KDA_ALWAYS_INLINE void block_rows(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t 
     if constexpr (std::is_same_v<T, float>) {
       if (bf16) {
         round_bf16(qg, w.prod.qg + i * K, K);
-        rhs_row(c, w, i, w.rhs);
-        stage_b_row(w.prod, i, K + V, w.rhs, w.prod.rhs);
+        // R's rows in pairs (rhs rows 0 and 1), packed once a pair (or the last row) is made.
+        rhs_row(c, w, i, w.rhs + (i & 1) * (K + V));
+        if ((i & 1) || i + 1 == c.n) {
+          pack_b_rows(w.prod, product_cols(c.n), K + V, i & ~int64_t(1), (i & ~int64_t(1)) + 2,
+                      i + 1, w.rhs, K + V, w.prod.rhs);
+        }
       }
     }
   }
@@ -415,7 +419,9 @@ KDA_ALWAYS_INLINE void solve_wu_bf16(const ChunkIn<float>& c, ChunkWork<float>& 
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
   const ProductWork& p = w.prod;
   const int64_t ncol = product_cols(n);
-  finish_b(p, ncol, ld, n, p.rhs);  // R's rows were staged by decays_and_am
+  // R's rows [0, n) were packed by decays_and_am; the rest up to ncol are zero.
+  const int64_t r0 = (n + 1) / 2 * 2;
+  pack_b_rows(p, ncol, ld, r0, ncol, r0, nullptr, ld, p.rhs);
   // T row by row, T_i = e_i + sum_{j<i} na_ij T_j (na = -A), rows of kC columns (T_j is zero
   // past column j), written over na: row i of na is read before row i of T replaces it. Two
   // partial sums (even and odd j) halve the chain of dependent additions.

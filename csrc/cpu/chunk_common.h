@@ -115,7 +115,8 @@ struct ChunkIn {
 //                        solve_wu overwrites it with T = (I + A)^-1)
 //   x     [kC, K + V]    after solve: [-W | U]; after state_step: [-W | Vn]
 //   rhs   [kSub, K + V]  (solve) one row block of [-diag(beta) (Gam . K) | diag(beta) V], then
-//                        R_I - A[I, :b0] X[:b0]
+//                        R_I - A[I, :b0] X[:b0]; with bf16 products rows 0-1 are a pair of R's rows
+//                        before packing and row 2 a row of q . Gam before rounding
 //   dinv  [kC / kSub, kSub, kSub]  (I + A_II)^-1 of each diagonal block II
 //   lq    [2 kSub, K]    row factors of one row block, rows k_i . Rf_i and q_i . Rf_i interleaved
 //   kr    [kSub, K]      (scratch: one block's column factors before their transposition)
@@ -123,7 +124,7 @@ struct ChunkIn {
 //   w     [4 K]          (scratch: running products, the block's total decay, ones)
 // With bf16 state products (prod.mode, float only; set by the forward) decays_and_am writes
 // q . Gam and Kdec^T as bf16 operands into prod (qg and kdecT above then are scratch or unused),
-// and the solve's right-hand side rows into prod's staging of its packed operand.
+// and the solve's right-hand side rows into its packed operand (prod.rhs).
 template <typename T>
 struct ChunkWork {
   T *gam, *qg, *kdecT, *am, *na, *x, *rhs, *dinv, *lq, *kr, *krT, *w;

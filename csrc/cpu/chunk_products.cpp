@@ -18,9 +18,9 @@ namespace chunk {
 
 namespace {
 
-// Column blocks of a packed B operand: the packing routine's output row length must be 16, 32,
-// 48 or 64 (oneDNN's transform ukernel), so N is cut into blocks of 64 (the last one shorter,
-// a multiple of 16), each packed as its own [Kd, width] matrix, one after the other.
+// Column blocks of a packed B operand: N is cut into blocks of 64 (the last one shorter, a
+// multiple of 16; the row lengths oneDNN's own packing routine makes), each laid out as its own
+// [Kd, width] matrix, one after the other, and each product runs per block.
 constexpr int64_t kBlockN = 64;
 
 }  // namespace
@@ -41,32 +41,50 @@ ProductWork::ProductWork(Products mode_, Carver& c, int64_t K, int64_t V) : mode
   nw = c.take<at::BFloat16>(kC * K);
   m = c.take<at::BFloat16>(kC * kC);
   tinv = c.take<at::BFloat16>(kC * kC);
-  round = c.take<at::BFloat16>(std::max(R * V, kC * (K + V)));
   s = c.take<float>(K * V);  // packed bf16 needs half of this; the emulation's fp32 all of it
   vn = c.take<float>(kC * V);
   rhs = c.take<float>(kC * (K + V));
   fa = c.take<float>(R * R);
 }
 
-KDA_CLONES void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows,
-                       const float* src, int64_t lds, void* dst) {
-  for (int64_t r = 0; r < rows; ++r) stage_b_row(p, r, N, src + r * lds, dst);
-  finish_b(p, Kd, N, rows, dst);
-}
-
-void finish_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, void* dst) {
+KDA_CLONES void pack_b_rows(const ProductWork& p, int64_t Kd, int64_t N, int64_t r0, int64_t r1,
+                            int64_t have, const float* src, int64_t lds, void* dst) {
+  auto row = [&](int64_t r) { return r < have ? src + (r - r0) * lds : nullptr; };
   if (p.mode == Products::kBf16Emulated) {
     float* d = static_cast<float*>(dst);
-    std::fill(d + rows * N, d + Kd * N, 0.0f);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* __restrict x = row(r);
+      float* __restrict y = d + r * N;
+      if (!x) {
+        std::fill(y, y + N, 0.0f);
+        continue;
+      }
+      for (int64_t e = 0; e < N; ++e) y[e] = static_cast<float>(at::BFloat16(x[e]));
+    }
     return;
   }
-  at::BFloat16* b = p.round;
-  std::fill(b + rows * N, b + Kd * N, at::BFloat16(0.0f));
-  at::BFloat16* d = static_cast<at::BFloat16*>(dst);
+  // Word (r / 2) * width + e of a block holds bf16(row r, column e0 + e) in its low half and
+  // bf16(row r + 1, ...) in its high half.
+  uint32_t* const d = static_cast<uint32_t*>(dst);
   for (int64_t e0 = 0; e0 < N; e0 += kBlockN) {
     const int64_t width = std::min(kBlockN, N - e0);
-    at::native::cpublas::pack(Kd, width, N, width, at::kBFloat16, at::kBFloat16, b + e0,
-                              d + e0 * Kd);
+    uint32_t* const block = d + e0 * Kd / 2;
+    for (int64_t r = r0; r < r1; r += 2) {
+      const float* __restrict x0 = row(r);
+      const float* __restrict x1 = row(r + 1);
+      uint32_t* __restrict y = block + (r / 2) * width;
+      if (x1) {
+        KDA_IVDEP
+        for (int64_t e = 0; e < width; ++e) {
+          y[e] = bf16_bits(x0[e0 + e]) | (bf16_bits(x1[e0 + e]) << 16);
+        }
+      } else if (x0) {
+        KDA_IVDEP
+        for (int64_t e = 0; e < width; ++e) y[e] = bf16_bits(x0[e0 + e]);
+      } else {
+        std::fill(y, y + width, 0u);
+      }
+    }
   }
 }
 

@@ -26,7 +26,6 @@
 #include <cstdint>
 
 #include "cpu/carver.h"
-#include "cpu/chunk_vec.h"
 
 namespace kda {
 namespace detail {
@@ -53,12 +52,10 @@ Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char*
 // B operands (S, Vn and the solve's right-hand side R [kC, K + V], rounded to bf16, laid out by
 // pack_b):
 //   s, vn, rhs      packed (kBf16) or rounded fp32 (kBf16Emulated)
-//   round           [max(K, kC) V, kC (K + V)] bf16 staging of a B operand before packing (kBf16)
 //   fa              [max(K, kC), max(K, kC)] fp32 (emulation: an A operand widened)
 struct ProductWork {
   Products mode = Products::kNative;
   at::BFloat16 *qg = nullptr, *kdecT = nullptr, *nw = nullptr, *m = nullptr, *tinv = nullptr;
-  at::BFloat16* round = nullptr;
   void *s = nullptr, *vn = nullptr, *rhs = nullptr;
   float* fa = nullptr;
   // Takes its parts from c.
@@ -71,24 +68,18 @@ struct ProductWork {
 // the operands are zero past n.
 inline int64_t product_cols(int64_t n) { return (n + 15) / 16 * 16; }
 
-// Rounds rows [0, rows) of the fp32 matrix src [Kd, N] (row stride lds) to bf16, zero rows
-// [rows, Kd), and lays the result out as the B operand of gemm16 in dst (Kd, N multiples of 16).
-void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, const float* src,
-            int64_t lds, void* dst);
-
-// pack_b in two steps, for a B operand whose rows are made one by one (the solve's R, in the
-// pass that reads the chunk's rows): stage_b_row rounds row r [N] of it from src (kBf16: into
-// the staging area p.round; kBf16Emulated: rounded and widened back, straight into dst), then,
-// after rows [0, rows), finish_b zeroes rows [rows, Kd) and lays the operand out into dst.
-KDA_ALWAYS_INLINE void stage_b_row(const ProductWork& p, int64_t r, int64_t N, const float* src, void* dst) {
-  if (p.mode == Products::kBf16Emulated) {
-    float* __restrict y = static_cast<float*>(dst) + r * N;
-    for (int64_t e = 0; e < N; ++e) y[e] = static_cast<float>(at::BFloat16(src[e]));
-  } else {
-    round_bf16(src, p.round + r * N, N);
-  }
+// Rows [r0, r1) of the B operand [Kd, N] of gemm16 (r0 even, r1 <= Kd; Kd and N multiples of
+// 16), rounded to bf16 from the fp32 rows src + (r - r0) lds for r < have, zero for r >= have,
+// written in the packed layout (kBf16: blocks of at most 64 columns, each [Kd / 2, width, 2],
+// pairs of rows as 32-bit words: the VNNI layout ATen's cpublas::pack makes for brgemm, written
+// in the rounding pass instead of rounding, then packing) or as rounded fp32 rows
+// (kBf16Emulated). A whole operand is pack_b; a row pair at a time suits rows made one by one.
+void pack_b_rows(const ProductWork& p, int64_t Kd, int64_t N, int64_t r0, int64_t r1,
+                 int64_t have, const float* src, int64_t lds, void* dst);
+inline void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, const float* src,
+                   int64_t lds, void* dst) {
+  pack_b_rows(p, Kd, N, 0, Kd, rows, src, lds, dst);
 }
-void finish_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, void* dst);
 
 // C[M, N] (+)= A[M, Kd] B[Kd, N]: A bf16 row-major (stride lda), B from pack_b, fp32 C.
 void gemm16(const ProductWork& p, int64_t M, int64_t N, int64_t Kd, const at::BFloat16* A,

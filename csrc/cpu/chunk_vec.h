@@ -51,17 +51,20 @@ KDA_ALWAYS_INLINE bool any_nonzero(const T* __restrict x, int64_t n) {
   return r != 0;
 }
 
-// y[e] = bf16(x[e]) for e < n, rounded to nearest even (NaN -> the quiet NaN 0x7FC0): the same
-// bits as at::BFloat16(float), in integer operations the compiler vectorises.
+// The bits of bf16(x), rounded to nearest even (NaN -> the quiet NaN 0x7FC0): the same bits as
+// at::BFloat16(float), in integer operations the compiler vectorises.
+KDA_ALWAYS_INLINE uint32_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return x != x ? 0x7FC0u : r;
+}
+
+// y[e] = bf16(x[e]) for e < n.
 KDA_ALWAYS_INLINE void round_bf16(const float* __restrict x, at::BFloat16* __restrict y, int64_t n) {
   uint16_t* __restrict yb = reinterpret_cast<uint16_t*>(y);
   KDA_IVDEP
-  for (int64_t e = 0; e < n; ++e) {
-    uint32_t u;
-    std::memcpy(&u, x + e, sizeof(u));
-    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    yb[e] = x[e] != x[e] ? uint16_t(0x7FC0) : uint16_t(r);
-  }
+  for (int64_t e = 0; e < n; ++e) yb[e] = uint16_t(bf16_bits(x[e]));
 }
 
 namespace vec_detail {

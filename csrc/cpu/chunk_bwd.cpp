@@ -61,12 +61,13 @@ inline T dot(const T* __restrict x, const T* __restrict y, int64_t n) {
 // docs/math.md "Chunkwise backward"; NW = -W (chunk_common keeps W negated).
 template <typename T>
 struct BwdWork {
-  T* S;      // [K, V]     state entering the chunk
+  const T* S;  // [K, V]   state entering the chunk (the checkpoint, h0 or zero)
+  T* zero;     // [K, V]   zeros (the state entering a sequence without h0)
   T* ST;     // [V, K]
   T* dS;     // [K, V]     gradient w.r.t. the state leaving the chunk (then entering it)
   T* dST;    // [V, K]
   T* dSnew;  // [K, V]
-  T* xu;     // [kC, ld]   [NW | U]
+  const T* xu;  // [kC, ld] [NW | U]: the solve's result in the ChunkWork
   T* xuT;    // [ld, kC]
   T* vn;     // [kC, V]    Vn = U - W S
   T* vnT;    // [V, kC]
@@ -102,12 +103,11 @@ struct BwdWork {
   // Takes its parts from c (carver.h).
   BwdWork(Carver& c, int64_t K, int64_t V) {
     const int64_t ld = K + V;
-    S = c.take<T>(K * V);
+    zero = c.take<T>(K * V);
     ST = c.take<T>(K * V);
     dS = c.take<T>(K * V);
     dST = c.take<T>(K * V);
     dSnew = c.take<T>(K * V);
-    xu = c.take<T>(kC * ld);
     xuT = c.take<T>(kC * ld);
     dR = c.take<T>(kC * ld);
     vn = c.take<T>(kC * V);
@@ -241,48 +241,19 @@ inline void direct_diagonal_block(const chunk::ChunkIn<T>& c, int64_t b0, int64_
   }
 }
 
-// The backward of one chunk (docs/math.md "Chunkwise backward"), tokens [s0, s0 + c.n) of value
-// head hv: S0 the state entering the chunk (null: zeros), bw.dS the gradient w.r.t. the state
-// leaving it on entry and w.r.t. the state entering it on return.
+// The products of the chunk backward in the compute dtype's precision, up to the per-token rows
+// (bw.xu, bw.kdec and dO in bw.X's first n rows on entry): Vn; dVn (bw.X's rows n..2n);
+// [d(Q . Gam); dNW] (bw.Y); dKdec; dSnew without its Diag(Gam_last) dS_next term; dR; dA0 (before
+// its sign and beta) and dM (bw.dam).
 template <typename T>
-KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c, int64_t s0, int64_t hv,
-                    const T* S0, chunk::ChunkWork<T>& cw, BwdWork<T>& bw) {
-  const int64_t n = c.n, K = c.K, V = c.V, ld = K + V, HV = A.HV;
+KDA_ALWAYS_INLINE void state_products(const chunk::ChunkIn<T>& c, chunk::ChunkWork<T>& cw,
+                                      BwdWork<T>& bw) {
+  const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
   const int64_t nb = (n + kSub - 1) / kSub;
-  if (S0) {
-    std::memcpy(bw.S, S0, sizeof(T) * K * V);
-  } else {
-    std::fill(bw.S, bw.S + K * V, T(0));
-  }
-
-  // ---- forward quantities of the chunk (chunk_common) ----
-  chunk::chunk_intra(c, cw);  // gam, qg, kdecT, am (A0 / M), na = -A, x = [NW | U]
-  for (int64_t i = 0; i < n; ++i) std::memcpy(bw.xu + i * ld, cw.x + i * ld, sizeof(T) * ld);
   // Vn = U + NW S
   for (int64_t i = 0; i < n; ++i) std::memcpy(bw.vn + i * V, bw.xu + i * ld + K, sizeof(T) * V);
   chunk::gemm(n, V, K, bw.xu, ld, bw.S, V, bw.vn, V, /*add=*/true);
-  // exp(G_last - G_i) and Kdec_i = k_i exp(G_last - G_i) (the running product of chunk_common's
-  // kdecT, formed here token-major instead of transposing kdecT back).
-  {
-    T* __restrict run = bw.run;
-    for (int64_t d = 0; d < K; ++d) run[d] = T(1);
-    for (int64_t i = n - 1; i >= 0; --i) {
-      const T* __restrict ai = c.a + i * K;
-      const T* __restrict ki = c.k + i * K;
-      T* __restrict ed = bw.edec + i * K;
-      T* __restrict kd = bw.kdec + i * K;
-      KDA_IVDEP
-      for (int64_t d = 0; d < K; ++d) {
-        ed[d] = run[d];
-        kd[d] = ki[d] * run[d];
-        run[d] *= ai[d];
-      }
-    }
-  }
-
   // ---- O = (Q . Gam) S + M Vn,  S_next = Diag(Gam_last) S + Kdec^T Vn ----
-  const T* dO = A.dout + (s0 * HV + hv) * V;
-  for (int64_t i = 0; i < n; ++i) std::memcpy(bw.X + i * V, dO + i * HV * V, sizeof(T) * V);
   T* dVn = bw.X + n * V;
   // dVn = M^T dO + Kdec dS_next
   chunk::transpose(cw.am + kC, n, n, 2 * kC, bw.mT, kC);
@@ -294,23 +265,10 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
   // dKdec = Vn dS_next^T
   chunk::transpose(bw.dS, K, V, V, bw.dST, K);
   chunk::gemm(n, K, V, bw.vn, V, bw.dST, K, bw.dkdec, K, /*add=*/false);
-  // dS = (Q . Gam)^T dO + NW^T dVn + Diag(Gam_last) dS_next
+  // dS = (Q . Gam)^T dO + NW^T dVn (+ Diag(Gam_last) dS_next, added by the caller)
   chunk::transpose(cw.qg, n, K, K, bw.qwT, 2 * kC);
   chunk::transpose(bw.xu, n, K, ld, bw.qwT + n, 2 * kC);
   chunk::gemm(K, V, 2 * n, bw.qwT, 2 * kC, bw.X, V, bw.dSnew, V, /*add=*/false);
-  const T* gl = cw.gam + (n - 1) * K;
-  for (int64_t d = 0; d < K; ++d) {
-    const T* s = bw.S + d * V;
-    const T* ds = bw.dS + d * V;
-    T* __restrict dsn = bw.dSnew + d * V;
-    const T f = gl[d];
-    KDA_IVDEP
-    for (int64_t e = 0; e < V; ++e) dsn[e] += f * ds[e];
-    // dG_last += Gam_last . rowsum(S . dS_next) (a fixed-order dot: one running sum kept the
-    // whole loop scalar)
-    bw.acc[d] = static_cast<double>(f * dot(s, ds, V));
-    bw.acc[K + d] = 0.0;
-  }
 
   // ---- through the solve: [NW | U] = (I + A)^-1 R,  R = [-B (Gam . K) | B V] ----
   // dR = (I + A)^-T [dNW | dVn], by backward substitution, row block by row block from the last.
@@ -341,6 +299,59 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
   chunk::gemm(n, n, ld, bw.dR, ld, bw.xuT, kC, bw.dam, 2 * kC, /*add=*/false);
   chunk::transpose(bw.vn, n, V, V, bw.vnT, kC);
   chunk::gemm(n, n, V, bw.X, V, bw.vnT, kC, bw.dam + kC, 2 * kC, /*add=*/false);
+}
+
+// The backward of one chunk (docs/math.md "Chunkwise backward"), tokens [s0, s0 + c.n) of value
+// head hv: S0 the state entering the chunk (null: zeros), bw.dS the gradient w.r.t. the state
+// leaving it on entry and w.r.t. the state entering it on return.
+template <typename T>
+KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c, int64_t s0, int64_t hv,
+                    const T* S0, chunk::ChunkWork<T>& cw, BwdWork<T>& bw) {
+  const int64_t n = c.n, K = c.K, V = c.V, ld = K + V, HV = A.HV;
+  const int64_t nb = (n + kSub - 1) / kSub;
+  if (!S0) {
+    std::fill(bw.zero, bw.zero + K * V, T(0));
+    S0 = bw.zero;
+  }
+  bw.S = S0;
+
+  // ---- forward quantities of the chunk (chunk_common) ----
+  chunk::chunk_intra(c, cw);  // gam, qg, kdecT, am (A0 / M), na = -A, x = [NW | U]
+  bw.xu = cw.x;
+  // exp(G_last - G_i) and Kdec_i = k_i exp(G_last - G_i) (the running product of chunk_common's
+  // kdecT, formed here token-major instead of transposing kdecT back).
+  {
+    T* __restrict run = bw.run;
+    for (int64_t d = 0; d < K; ++d) run[d] = T(1);
+    for (int64_t i = n - 1; i >= 0; --i) {
+      const T* __restrict ai = c.a + i * K;
+      const T* __restrict ki = c.k + i * K;
+      T* __restrict ed = bw.edec + i * K;
+      T* __restrict kd = bw.kdec + i * K;
+      KDA_IVDEP
+      for (int64_t d = 0; d < K; ++d) {
+        ed[d] = run[d];
+        kd[d] = ki[d] * run[d];
+        run[d] *= ai[d];
+      }
+    }
+  }
+  const T* dO = A.dout + (s0 * HV + hv) * V;
+  for (int64_t i = 0; i < n; ++i) std::memcpy(bw.X + i * V, dO + i * HV * V, sizeof(T) * V);
+  state_products(c, cw, bw);
+  const T* gl = cw.gam + (n - 1) * K;
+  for (int64_t d = 0; d < K; ++d) {
+    const T* s = bw.S + d * V;
+    const T* ds = bw.dS + d * V;
+    T* __restrict dsn = bw.dSnew + d * V;
+    const T f = gl[d];
+    KDA_IVDEP
+    for (int64_t e = 0; e < V; ++e) dsn[e] += f * ds[e];
+    // dG_last += Gam_last . rowsum(S . dS_next) (a fixed-order dot: one running sum kept the
+    // whole loop scalar)
+    bw.acc[d] = static_cast<double>(f * dot(s, ds, V));
+    bw.acc[K + d] = 0.0;
+  }
 
   // ---- per token: beta, v, Gam, Kdec ----
   for (int64_t i = 0; i < n; ++i) {
@@ -549,7 +560,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
     std::memcpy(A.dq + row, bw.dq + i * K, sizeof(T) * K);
     std::memcpy(A.dk + row, bw.dk + i * K, sizeof(T) * K);
   }
-  std::memcpy(bw.dS, bw.dSnew, sizeof(T) * K * V);
+  std::swap(bw.dS, bw.dSnew);  // dS w.r.t. the state entering the chunk, for the chunk before
 }
 
 // All chunks of value head hv of sequence n, last first.

@@ -1,8 +1,9 @@
 """The native forward runs long inputs in token blocks (csrc/cpu/recurrent_fwd.cpp): q, k, the
 decays and beta of one block of every sequence are pre-processed into a small reused workspace,
-then the recurrence runs over the block. A block holds about 8 MB of pre-processed rows, so
-HV * K of about two thousand makes blocks of a few hundred tokens: these shapes cross several
-block boundaries (the state and the next token's read carry across them).
+then the recurrence runs over the block. A block holds about 8 MB of pre-processed rows (the
+chunk forward's 2 MB), so HV * K of about two thousand makes blocks of a few hundred tokens (the
+chunk forward's one or a few chunks): these shapes cross several block boundaries (the state and
+the next token's read carry across them).
 
 The backward (csrc/cpu/recurrent_bwd.cpp) runs in blocks of whole 64-token chunks, last block
 first: the pre-processing, the per-group partial gradients and the chain rule of one block live in

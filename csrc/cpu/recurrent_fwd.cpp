@@ -271,8 +271,8 @@ std::optional<kernels::Storage> storage_of(at::ScalarType st, at::ScalarType ct)
 // every sequence (tb tokens each) live in a small workspace (8 MB: cache-resident, and reused by
 // the allocator from call to call instead of page-faulting fresh full-size arrays in); the
 // recurrence runs over the block, then the next block is pre-processed. The chunk forward's
-// workspace is 2 MB (a core's L2): it reads each row first in its chunk pass, long after the
-// pre-processing wrote it, and with 8 MB those first reads missed L2 (B1 T8K H4 bf16, 1 thread,
+// workspace is 2 MB (about a core's L2): it reads each row first in its chunk pass, long after
+// the pre-processing wrote it, and with 8 MB those first reads missed L2 (B1 T8K H4 bf16, 1 thread,
 // Zen 5 box: chunk forward 42.6-43.0 -> 36.7-38.6 ms; the recurrent kernels gain nothing from
 // smaller blocks: 32.4 ms with 1 MB against 32.5 ms with 8 MB). For the recurrent
 // kernels (grow_with_threads) the workspace grows by 2 MB per thread beyond 4 threads: each block

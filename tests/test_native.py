@@ -157,6 +157,26 @@ def test_gradients_through_transposed_tiles_match_the_float64_reference(varlen):
         assert rel_err(g32[name], gr) <= 5e-5, name
 
 
+# K above one group of the pre-processing's gate vectors and with a ragged last vector: the
+# in-op gate's softplus / sigmoid and the decay's exp run 8 vectors at a time (128 floats under
+# AVX-512, 64 under AVX2), the group past K on zeros that are never stored. Forward (the
+# inference path and the one that keeps checkpoints) and gradients (the backward's pass also
+# writes the gate's sigmoid) against the float64 reference.
+@pytest.mark.parametrize("gate", GATES)
+def test_preprocessing_in_vector_groups_matches_the_float64_reference(gate):
+    p = make_problem(B=1, T=24, H=2, HV=4, K=137, V=20, gate=gate, seed=31)
+    p64 = p.to(torch.float64, requires_grad=True)
+    o_ref, s_ref = reference.fused_recurrent_kda(*p64.args, **p64.kwargs)
+    g_ref = grads(lambda x: reference.fused_recurrent_kda(*x.args, **x.kwargs), p64)
+    p32 = p.to(torch.float32)
+    with torch.no_grad():
+        o32, s32 = native(p32)
+    assert rel_err(o32, o_ref) <= 1e-5 and rel_err(s32, s_ref) <= 1e-5
+    g32 = grads(native, p.to(torch.float32, requires_grad=True))
+    for name, gr in g_ref.items():
+        assert rel_err(g32[name], gr) <= 5e-5, name
+
+
 def test_second_order_gradient_names_reference_backend():
     p = make_problem(B=1, T=5, H=1, K=3, V=4, seed=2).to(torch.float64, requires_grad=True)
     o, s = native(p)

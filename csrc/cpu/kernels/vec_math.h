@@ -38,148 +38,193 @@ inline VF per_lane(VF x, F f) {
   return x;
 }
 
+// The float functions take N vectors and run every step for all N before the next one
+// (vexp_n, vlog_1_2_n, vsoftplus_sigmoid_n, vsoftplus_n, vsigmoid_n): the N dependency chains
+// then lie side by side in program order and the core overlaps them. One vector at a time, each
+// softplus and exp is a chain of ~90 dependent operations, and the pre-processing pass ran at
+// about a third of the FP ports' throughput. Each lane still goes through the same operations in
+// the same order as with N = 1: the same values for every N. The one-vector forms (vexp,
+// vsoftplus, vsigmoid) are N = 1.
+
 // exp: Cephes-style range reduction x = n ln2 + r and a degree-6 polynomial (about 1 ulp);
 // below -87.5 it underflows to 0 and above 88.75 overflows to inf, as exp does in fp32.
 // With AVX-512 (16 floats), n = floor(t) is one vrndscaleps and y * 2^n one vscalefps, instead
 // of two conversions, a compare and a correction for the floor and an integer assembly of 2^n
 // and a multiply: the same values (floor and a product by a power of two are exact, and
-// rounded once where it goes subnormal), about half the operations; the pre-processing spent
-// ~45% of its time in its two exp per gate element.
-template <typename VF>
-inline VF vexp(VF x) {
+// rounded once where it goes subnormal), about half the operations. In place, x[0..N).
+template <int N, typename VF>
+inline void vexp_n(VF (&x)[N]) {
   if constexpr (std::is_same_v<vm_elem_t<VF>, double>) {
-    return per_lane(x, [](double t) { return __builtin_exp(t); });
+    for (int c = 0; c < N; ++c) x[c] = per_lane(x[c], [](double t) { return __builtin_exp(t); });
   } else {
-    using VI = decltype(x < x);
-    const VF zero{};
-    const VF xc = x < -87.5f ? zero - 87.5f : (x > 88.0f ? zero + 88.0f : x);
-    const VF t = xc * 1.44269504088896341f + 0.5f;
+    using VI = decltype(x[0] < x[0]);
 #if defined(__AVX512F__)
     constexpr bool kScalef = sizeof(VF) == sizeof(__m512);
 #else
     constexpr bool kScalef = false;
 #endif
-    VI n{};
-    VF nf;
-    if constexpr (kScalef) {
+    const VF zero{};
+    VF nf[N], r[N], p[N];
+    VI n[N];
+    for (int c = 0; c < N; ++c) {
+      const VF xc = x[c] < -87.5f ? zero - 87.5f : (x[c] > 88.0f ? zero + 88.0f : x[c]);
+      const VF t = xc * 1.44269504088896341f + 0.5f;
+      if constexpr (kScalef) {
 #if defined(__AVX512F__)
-      nf = (VF)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        nf[c] = (VF)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 #endif
-    } else {
-      n = __builtin_convertvector(t, VI);
-      n -= (__builtin_convertvector(n, VF) > t) ? VI{} + 1 : VI{};  // floor
-      nf = __builtin_convertvector(n, VF);
+      } else {
+        n[c] = __builtin_convertvector(t, VI);
+        n[c] -= (__builtin_convertvector(n[c], VF) > t) ? VI{} + 1 : VI{};  // floor
+        nf[c] = __builtin_convertvector(n[c], VF);
+      }
+      r[c] = xc - nf[c] * 0.693359375f + nf[c] * 2.12194440e-4f;
     }
-    const VF r = xc - nf * 0.693359375f + nf * 2.12194440e-4f;
-    VF p = zero + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const VF y = p * r * r + r + 1.0f;
-    VF res;
-    if constexpr (kScalef) {
+    for (int c = 0; c < N; ++c) p[c] = zero + 1.9875691500e-4f;
+    for (int c = 0; c < N; ++c) p[c] = p[c] * r[c] + 1.3981999507e-3f;
+    for (int c = 0; c < N; ++c) p[c] = p[c] * r[c] + 8.3334519073e-3f;
+    for (int c = 0; c < N; ++c) p[c] = p[c] * r[c] + 4.1665795894e-2f;
+    for (int c = 0; c < N; ++c) p[c] = p[c] * r[c] + 1.6666665459e-1f;
+    for (int c = 0; c < N; ++c) p[c] = p[c] * r[c] + 5.0000001201e-1f;
+    for (int c = 0; c < N; ++c) {
+      const VF y = p[c] * r[c] * r[c] + r[c] + 1.0f;
+      VF res;
+      if constexpr (kScalef) {
 #if defined(__AVX512F__)
-      res = (VF)_mm512_scalef_ps((__m512)y, (__m512)nf);
+        res = (VF)_mm512_scalef_ps((__m512)y, (__m512)nf[c]);
 #endif
-    } else {
-      const VI bits = (n + 127) << 23;
-      VF scale;
-      std::memcpy(&scale, &bits, sizeof(scale));
-      res = y * scale;
+      } else {
+        const VI bits = (n[c] + 127) << 23;
+        VF scale;
+        std::memcpy(&scale, &bits, sizeof(scale));
+        res = y * scale;
+      }
+      res = x[c] < -87.5f ? zero : res;
+      res = x[c] > 88.75f ? zero + __builtin_inff() : res;
+      x[c] = x[c] != x[c] ? x[c] : res;  // NaN propagates
     }
-    res = x < -87.5f ? zero : res;
-    res = x > 88.75f ? zero + __builtin_inff() : res;
-    return x != x ? x : res;  // NaN propagates
   }
+}
+
+template <typename VF>
+inline VF vexp(VF x) {
+  VF a[1] = {x};
+  vexp_n<1>(a);
+  return a[0];
 }
 
 // log for float u in [1, 2] (softplus only needs log(1 + y), y in (0, 1]): Cephes logf
 // polynomial. u = m 2^e with m in [0.5, 1): from the bits, or with AVX-512 (16 floats) from
-// vgetmantps and vgetexpps (the same m and e, as floats: fewer integer operations).
-template <typename VF>
-inline VF vlog_1_2(VF u) {
-  using VI = decltype(u < u);
+// vgetmantps and vgetexpps (the same m and e, as floats: fewer integer operations). Into out.
+template <int N, typename VF>
+inline void vlog_1_2_n(const VF (&u)[N], VF (&out)[N]) {
+  using VI = decltype(u[0] < u[0]);
 #if defined(__AVX512F__)
   constexpr bool kGetmant = sizeof(VF) == sizeof(__m512);
 #else
   constexpr bool kGetmant = false;
 #endif
-  VF m, ef;
-  if constexpr (kGetmant) {
+  VF ef[N], x[N], z[N], y[N];
+  for (int c = 0; c < N; ++c) {
+    VF m;
+    if constexpr (kGetmant) {
 #if defined(__AVX512F__)
-    m = (VF)_mm512_getmant_ps((__m512)u, _MM_MANT_NORM_p5_1, _MM_MANT_SIGN_src);
-    ef = (VF)_mm512_getexp_ps((__m512)u) + 1.0f;  // getexp is floor(log2 u), for m in [1, 2)
+      m = (VF)_mm512_getmant_ps((__m512)u[c], _MM_MANT_NORM_p5_1, _MM_MANT_SIGN_src);
+      ef[c] = (VF)_mm512_getexp_ps((__m512)u[c]) + 1.0f;  // getexp is floor(log2 u), m in [1, 2)
 #endif
-  } else {
-    VI bits;
-    std::memcpy(&bits, &u, sizeof(bits));
-    const VI e = ((bits >> 23) & 0xff) - 126;
-    const VI mb = (bits & 0x7fffff) | 0x3f000000;  // mantissa in [0.5, 1)
-    std::memcpy(&m, &mb, sizeof(m));
-    ef = __builtin_convertvector(e, VF);
+    } else {
+      VI bits;
+      std::memcpy(&bits, &u[c], sizeof(bits));
+      const VI e = ((bits >> 23) & 0xff) - 126;
+      const VI mb = (bits & 0x7fffff) | 0x3f000000;  // mantissa in [0.5, 1)
+      std::memcpy(&m, &mb, sizeof(m));
+      ef[c] = __builtin_convertvector(e, VF);
+    }
+    const auto small = m < 0.707106781186547524f;
+    ef[c] = small ? ef[c] - 1.0f : ef[c];
+    x[c] = small ? m + m - 1.0f : m - 1.0f;
+    z[c] = x[c] * x[c];
   }
-  const auto small = m < 0.707106781186547524f;
-  ef = small ? ef - 1.0f : ef;
-  VF x = small ? m + m - 1.0f : m - 1.0f;
-  const VF z = x * x;
-  VF y = VF{} + 7.0376836292e-2f;
-  y = y * x - 1.1514610310e-1f;
-  y = y * x + 1.1676998740e-1f;
-  y = y * x - 1.2420140846e-1f;
-  y = y * x + 1.4249322787e-1f;
-  y = y * x - 1.6668057665e-1f;
-  y = y * x + 2.0000714765e-1f;
-  y = y * x - 2.4999993993e-1f;
-  y = y * x + 3.3333331174e-1f;
-  y = y * x * z;
-  y += ef * -2.12194440e-4f;
-  y += z * -0.5f;
-  x = x + y;
-  return x + ef * 0.693359375f;
+  for (int c = 0; c < N; ++c) y[c] = VF{} + 7.0376836292e-2f;
+  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] - 1.1514610310e-1f;
+  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] + 1.1676998740e-1f;
+  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] - 1.2420140846e-1f;
+  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] + 1.4249322787e-1f;
+  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] - 1.6668057665e-1f;
+  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] + 2.0000714765e-1f;
+  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] - 2.4999993993e-1f;
+  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] + 3.3333331174e-1f;
+  for (int c = 0; c < N; ++c) {
+    VF w = y[c] * x[c] * z[c];
+    w += ef[c] * -2.12194440e-4f;
+    w += z[c] * -0.5f;
+    const VF xx = x[c] + w;
+    out[c] = xx + ef[c] * 0.693359375f;
+  }
 }
 
 // softplus(z) = max(z, 0) + log1p(exp(-|z|)) (z > 20 gives z, the reference's threshold), and
 // in sig the sigmoid of z from the same terms: 1 / w for z >= 0, y / w for z < 0 (w = 1 + y,
 // y = exp(-|z|)), so the backward's pre-processing, which needs both, spends one exp and one
-// division on them instead of two each (vsigmoid). NaN propagates through both.
-template <typename VF>
-inline VF vsoftplus_sigmoid(VF z, VF& sig) {
+// division on them instead of two each (vsigmoid). NaN propagates through both. In place:
+// z[c] becomes softplus(z[c]).
+template <int N, typename VF>
+inline void vsoftplus_sigmoid_n(VF (&z)[N], VF (&sig)[N]) {
   if constexpr (std::is_same_v<vm_elem_t<VF>, double>) {
-    sig = per_lane(z, [](double t) { return 1.0 / (1.0 + __builtin_exp(-t)); });
-    return per_lane(z, [](double t) { return t > 20.0 ? t : __builtin_log1p(__builtin_exp(t)); });
+    for (int c = 0; c < N; ++c) {
+      sig[c] = per_lane(z[c], [](double t) { return 1.0 / (1.0 + __builtin_exp(-t)); });
+      z[c] = per_lane(z[c], [](double t) { return t > 20.0 ? t : __builtin_log1p(__builtin_exp(t)); });
+    }
   } else {
     const VF zero{};
-    const VF az = z < 0.0f ? -z : z;
-    const VF y = vexp(-az);
-    const VF w = 1.0f + y;
-    const VF rw = 1.0f / w;
-    // log1p(y) = log(w) - ((w - 1) - y) / w  (corrects the rounding of 1 + y)
-    const VF l1p = vlog_1_2(w) - ((w - 1.0f) - y) * rw;
-    sig = z < 0.0f ? y * rw : rw;
-    const VF s = (z > 0.0f ? z : zero) + l1p;
-    return z > 20.0f ? z : s;
+    VF y[N], w[N], l[N];
+    for (int c = 0; c < N; ++c) y[c] = -(z[c] < 0.0f ? -z[c] : z[c]);
+    vexp_n<N>(y);
+    for (int c = 0; c < N; ++c) w[c] = 1.0f + y[c];
+    vlog_1_2_n<N>(w, l);
+    for (int c = 0; c < N; ++c) {
+      const VF rw = 1.0f / w[c];
+      // log1p(y) = log(w) - ((w - 1) - y) / w  (corrects the rounding of 1 + y)
+      const VF l1p = l[c] - ((w[c] - 1.0f) - y[c]) * rw;
+      sig[c] = z[c] < 0.0f ? y[c] * rw : rw;
+      const VF s = (z[c] > 0.0f ? z[c] : zero) + l1p;
+      z[c] = z[c] > 20.0f ? z[c] : s;
+    }
   }
+}
+
+template <int N, typename VF>
+inline void vsoftplus_n(VF (&z)[N]) {
+  VF unused[N];  // dead code for the compiler: the sigmoid's select
+  vsoftplus_sigmoid_n<N>(z, unused);
 }
 
 template <typename VF>
 inline VF vsoftplus(VF z) {
+  VF a[1] = {z};
+  vsoftplus_n<1>(a);
+  return a[0];
+}
+
+// sigmoid(z) = 1 / (1 + exp(-z)), in place.
+template <int N, typename VF>
+inline void vsigmoid_n(VF (&z)[N]) {
   if constexpr (std::is_same_v<vm_elem_t<VF>, double>) {
-    return per_lane(z, [](double t) { return t > 20.0 ? t : __builtin_log1p(__builtin_exp(t)); });
+    for (int c = 0; c < N; ++c) {
+      z[c] = per_lane(z[c], [](double t) { return 1.0 / (1.0 + __builtin_exp(-t)); });
+    }
   } else {
-    VF unused;  // dead code for the compiler: the sigmoid's select
-    return vsoftplus_sigmoid(z, unused);
+    for (int c = 0; c < N; ++c) z[c] = -z[c];
+    vexp_n<N>(z);
+    for (int c = 0; c < N; ++c) z[c] = 1.0f / (1.0f + z[c]);
   }
 }
 
 template <typename VF>
 inline VF vsigmoid(VF z) {
-  if constexpr (std::is_same_v<vm_elem_t<VF>, double>) {
-    return per_lane(z, [](double t) { return 1.0 / (1.0 + __builtin_exp(-t)); });
-  } else {
-    return 1.0f / (1.0f + vexp(-z));
-  }
+  VF a[1] = {z};
+  vsigmoid_n<1>(a);
+  return a[0];
 }
 
 // bf16 is the top half of a float: widening is exact.

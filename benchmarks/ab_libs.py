@@ -16,8 +16,9 @@ between calls, e.g.::
       python benchmarks/ab_libs.py $lib --heads 4 --threads 1; done; done
 
 Prints one line per call: medians over ``--reps`` of inf, fwd and bwd (ms) and their % of the GEMM
-rate (docs/benchmarks.md, "Training: forward + backward vs the GEMM rate"), and the backward's
-minor page faults and system-time share (``getrusage``, medians).
+rate (docs/benchmarks.md, "Training: forward + backward vs the GEMM rate"), the backward's
+minor page faults and system-time share (``getrusage``, medians), the output cache's mapped
+blocks and the peak resident size at the end.
 """
 
 from __future__ import annotations
@@ -85,13 +86,18 @@ def main() -> None:
         used = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
         sys_share.append((r1.ru_stime - r0.ru_stime) / used if used > 0 else 0.0)
     G, I, F, B = (statistics.median(x) for x in (gemm, inf, fwd, bwd))
+    # Memory: the output cache's blocks (held free + in use: what its calls keep mapped; the
+    # largest working set of the three ops) and the process's peak resident size.
+    _, held, in_use, *_ = torch.ops.kda._output_cache_stats()
+    cache_mb = (held + in_use) / 2 ** 20
+    maxrss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     fl = 8 * K * K * H * T  # forward FLOPs; the backward counts 3x
     print(f"{a.lib} H{H} T{T} thr{a.threads} gemm={G:.0f} GFLOP/s inf={I * 1e3:.1f} ms "
           f"inf={100 * fl / I / 1e9 / G:.1f}% fwd={F * 1e3:.1f} ms "
           f"bwd={B * 1e3:.1f} ms fwd={100 * fl / F / 1e9 / G:.1f}% bwd={100 * 3 * fl / B / 1e9 / G:.1f}% "
           f"fwd+bwd={100 * 4 * fl / (F + B) / 1e9 / G:.1f}% of GEMM {a.dtype} bwd={a.bwd}: "
-          f"faults={statistics.median(faults):.0f} sys={100 * statistics.median(sys_share):.1f}%",
-          flush=True)
+          f"faults={statistics.median(faults):.0f} sys={100 * statistics.median(sys_share):.1f}% "
+          f"cache={cache_mb:.0f} MB maxrss={maxrss_mb:.0f} MB", flush=True)
 
 
 if __name__ == "__main__":

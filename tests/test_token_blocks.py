@@ -8,7 +8,8 @@ the next token's read carry across them).
 The backward (csrc/cpu/recurrent_bwd.cpp) runs in blocks of whole 64-token chunks, last block
 first: the pre-processing, the per-group partial gradients and the chain rule of one block live in
 a reused workspace, the gradient of the state carries across blocks. Its rows are wider (about
-65 KB per token at these shapes), so its blocks are one chunk long."""
+65 KB per token at these shapes), so its blocks are one chunk long. 16-bit inputs and grad_o are
+read block by block too (widened exactly), never copied whole to fp32."""
 
 from __future__ import annotations
 
@@ -112,6 +113,47 @@ def test_mixed_16_bit_and_fp32_inputs_equal_fp32_inputs_of_the_same_values():
     assert o.dtype == torch.bfloat16
     assert torch.equal(o, o32.bfloat16())
     assert torch.equal(s, s32)
+
+
+# q, k, v and grad_o in one dtype, the gate input in another; softplus reads the gate through the
+# pre-processing only, the bounded gate's chain rule reads its raw input too (a block buffer when
+# it is 16-bit, the caller's array when it is fp32).
+@pytest.mark.parametrize("dtype,g_dtype,gate,seqlens", [
+    (torch.bfloat16, torch.bfloat16, "softplus", None),
+    (torch.float16, torch.float16, "bounded", (300, 0, 37, 93)),
+    (torch.bfloat16, torch.float32, "bounded", None),
+    (torch.bfloat16, torch.float16, "bounded", (300, 0, 37, 93)),
+], ids=["bf16_softplus", "fp16_bounded_varlen", "bf16_fp32_gate", "bf16_fp16_gate_varlen"])
+def test_16_bit_gradients_across_backward_blocks_equal_fp32_gradients_of_the_same_values(
+        dtype, g_dtype, gate, seqlens):
+    # The backward reads 16-bit inputs and grad_o block by block (widened exactly, in registers
+    # or into block buffers): its gradients are bitwise the fp32 op's on the same values, each
+    # rounded once to its input's dtype.
+    p = make_problem(B=2, T=200, H=8, HV=16, K=130, V=6, seqlens=seqlens, gate=gate, seed=14)
+    args = dict(zip(("q", "k", "v", "g", "beta"), p.args), **p.kwargs)
+    half = {n: (x.float() if torch.is_tensor(x) and x.is_floating_point() else x)
+            for n, x in args.items()}
+    half.update(q=args["q"].to(dtype), k=args["k"].to(dtype), v=args["v"].to(dtype),
+                g=args["g"].to(g_dtype), beta=args["beta"].to(dtype))
+    same = {n: (x.float() if torch.is_tensor(x) and x.is_floating_point() else x)
+            for n, x in half.items()}
+    names = [n for n, x in half.items() if torch.is_tensor(x) and x.is_floating_point()]
+    gen = torch.Generator().manual_seed(15)
+
+    def grads_of(inputs, d_o, d_s):
+        leaves = {n: inputs[n].detach().requires_grad_() for n in names}
+        o, s = torch_kda.fused_recurrent_kda(**dict(inputs, **leaves), backend="native")
+        gs = torch.autograd.grad((o, s), [leaves[n] for n in names], (d_o.to(o.dtype), d_s))
+        return o, dict(zip(names, gs))
+
+    d_o = torch.randn(*args["v"].shape, generator=gen).to(dtype)
+    d_s = torch.randn(*args["initial_state"].shape, generator=gen)
+    o, g16 = grads_of(half, d_o, d_s)
+    _, g32 = grads_of(same, d_o.float(), d_s)
+    assert o.dtype == dtype
+    for n in names:
+        assert g16[n].dtype == half[n].dtype, n
+        assert torch.equal(g16[n], g32[n].to(half[n].dtype)), n
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

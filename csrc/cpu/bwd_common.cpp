@@ -173,8 +173,9 @@ BwdSetup backward_setup(const at::Tensor& d_o, const std::optional<at::Tensor>& 
   s.seqs = make_sequences(in, s.d);
   s.h0 = state_kv(in.initial_state, cfg, ct);
   s.dht = state_kv(d_final_state, cfg, ct);
-  // (16-bit grad_o: widened into a reused block of the output cache, not a fresh full-size copy.)
-  s.dout = to_output(d_o, ct).reshape({BT, s.d.HV, s.d.V});
+  // 16-bit grad_o: widened into a reused block of the output cache (not a fresh full-size copy),
+  // or by the recurrent backward's blocks.
+  s.dout = to_output(d_o, with_prepared ? ct : d_o.scalar_type()).reshape({BT, s.d.HV, s.d.V});
   s.ckpt = to_output(checkpoints, ct);
   return s;
 }
@@ -275,8 +276,8 @@ void chain_rule_rows(const ChainArgs<T>& C, const BlockRows& rows, const ChainGl
   parallel_block_rows(rows, [&](int64_t n, int64_t b, int64_t stop) {
     const int64_t sh = rows.shift[n];
     ChainArgs<T> Cn = C;
-    Cn.q = G.q + sh * H * K;
-    if (G.g) Cn.g = G.g + sh * HV * K;
+    if (G.q) Cn.q = G.q + (G.q_in_block ? 0 : sh) * H * K;
+    if (G.g) Cn.g = G.g + (G.g_in_block ? 0 : sh) * HV * K;
     Cn.dq = G.dq + sh * H * K;
     Cn.dk = G.dk + sh * H * K;
     Cn.dg = G.dg + sh * HV * K;

@@ -114,6 +114,9 @@ int64_t first_unstable_write(const at::Tensor& k, const at::Tensor& beta, bool b
 // the token stride of the outputs. The caller sets the pointers.
 template <typename T>
 kernels::PrepArgs<T> make_prep_args(const Config& cfg, const Dims& d, int64_t stride);
+// How the pre-processing pass reads an input of dtype st in compute dtype ct: as it is
+// (kCompute), bf16 / fp16 widened in registers (ct = float), or nullopt (converted first).
+std::optional<kernels::Storage> storage_of(at::ScalarType st, at::ScalarType ct);
 
 // The rows of one token block of every sequence (forward and backward token blocks): sequence n's
 // tokens [rs[n], rs[n] + loc[n + 1] - loc[n]) sit at rows [loc[n], loc[n + 1]) of the block
@@ -122,6 +125,9 @@ struct BlockRows {
   explicit BlockRows(int64_t n) : rs(n), loc(n + 1), shift(n) {}
   std::vector<int64_t> rs, loc, shift;
 };
+// Copies the block's rows of every sequence from src [B*T, ...] (any dtype) into dst [rows, ...]
+// (copy_: a conversion into the block buffer's dtype).
+void copy_block_rows(const at::Tensor& dst, const at::Tensor& src, const BlockRows& rows);
 // Runs f(n, b, e) over the used rows of a block in parallel, for every run of rows [b, e) of one
 // sequence n; a few rows per task, so that every thread gets some of a short block.
 template <typename F>
@@ -254,7 +260,8 @@ struct BwdSetup {
   Sequences seqs;
   at::Tensor h0, dht, dout, ckpt;
 };
-// Without with_prepared, p stays empty (the recurrent backward pre-processes block by block).
+// Without with_prepared (the recurrent backward, which works block by block), p stays empty and
+// grad_o keeps its dtype (contiguous; the blocks widen their rows).
 BwdSetup backward_setup(const at::Tensor& d_o, const std::optional<at::Tensor>& d_final_state,
                         const at::Tensor& checkpoints, const Inputs& in, const Config& cfg,
                         bool with_prepared = true);
@@ -288,11 +295,13 @@ std::vector<at::Tensor> backward_outputs(const InputGrads& g, const Dims& d, con
 
 // The chain rule (csrc/cpu/bwd_common.cpp chain_rule_tokens) over the rows of one token block of
 // the recurrent backward: C's block arrays (partials, rnorms, khat, gate values, beta; BT = the
-// block's row stride) are read at the row, G's arrays at the global token (row + shift[n]).
+// block's row stride) are read at the row, G's arrays at the global token (row + shift[n]); q
+// or g at the row too when q_in_block / g_in_block (block buffers of widened 16-bit inputs).
 template <typename T>
 struct ChainGlobals {
-  const T* q = nullptr;  // [B*T, H, K] raw q (compute dtype)
+  const T* q = nullptr;  // [B*T, H, K] raw q (compute dtype), or null (no l2 norm)
   const T* g = nullptr;  // [B*T, HV, K] raw gate input (bounded gate), or null: C.g is used
+  bool q_in_block = false, g_in_block = false;
   T *dq = nullptr, *dk = nullptr, *dg = nullptr, *dbeta = nullptr, *dA_rows = nullptr;
 };
 template <typename T>

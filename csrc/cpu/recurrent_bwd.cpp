@@ -58,13 +58,24 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   constexpr int64_t C = kernels::kChunk;
   const bool gate = cfg.use_gate_in_kernel;
   const bool l2 = cfg.use_qk_l2norm_in_kernel;
-  // Inputs in the compute dtype (no copy when they are already; 16-bit ones widened into blocks
-  // of the output cache), read at the global token.
-  const at::Tensor q_c = to_output(in.q, ct);
-  const at::Tensor k_c = to_output(in.k, ct);
-  const at::Tensor g_c = to_output(in.g, ct);
-  const at::Tensor b_c = to_output(in.beta, ct);
-  const at::Tensor v_c = to_output(in.v, ct).reshape({BT, HV, d.V});
+  // bf16 / fp16 q, k, g and beta of an fp32 backward are read as they are by the pre-processing
+  // pass, which widens them in registers (as the forward's token blocks); raw q (l2 norm) and the
+  // bounded gate's raw input, which the chain rule reads, are widened into block buffers, and so
+  // are v and grad_o when either is not in the compute dtype: no full-size copies. Other mixes
+  // (fp32 under fp64 q) are converted whole into blocks of the output cache.
+  const auto q_st = storage_of(in.q.scalar_type(), ct), g_st = storage_of(in.g.scalar_type(), ct),
+             b_st = storage_of(in.beta.scalar_type(), ct);
+  const bool direct = q_st && g_st && b_st;
+  const bool q_block = direct && *q_st != kernels::Storage::kCompute && l2;
+  const bool g_block = direct && *g_st != kernels::Storage::kCompute && gate && cfg.lower_bound;
+  auto input = [&](const at::Tensor& t, bool as_is) {
+    return to_output(t, as_is ? t.scalar_type() : ct);  // contiguous
+  };
+  const at::Tensor q_c = input(in.q, direct), k_c = input(in.k, direct);
+  const at::Tensor g_c = input(in.g, direct), b_c = input(in.beta, direct);
+  const bool vo_block = in.v.scalar_type() != ct || dout.scalar_type() != ct;
+  const at::Tensor v_in = input(in.v, vo_block).reshape({BT, HV * d.V});
+  const at::Tensor do_in = dout.reshape({BT, HV * d.V});  // contiguous, its own dtype
   at::Tensor expA, bias;
   if (gate && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
   if (gate && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
@@ -105,16 +116,42 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   const at::Tensor db_p = empty_output({groups, nb, HV}, opts);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t ws_stride = kernels::bwd_scratch_elems(K, n_slices);
+  // Block buffers of the widened inputs (rows of the block, as the pre-processed arrays), parts
+  // of one block of the output cache: each alone is often under its 1 MB threshold (512 KB at
+  // H16), and glibc mapped and unmapped such blocks call after call (~1.4K faults at T8K H16).
+  const int64_t q_cols = q_block ? H * K : 0, g_cols = g_block ? HV * K : 0;
+  const int64_t vo_cols = vo_block ? HV * d.V : 0;
+  const at::Tensor in_ws = empty_output({nb * (q_cols + g_cols + 2 * vo_cols)}, opts);
+  int64_t in_off = 0;
+  auto part = [&](int64_t cols) {
+    at::Tensor t = in_ws.narrow(0, in_off, nb * cols).view({nb, cols});
+    in_off += nb * cols;
+    return t;
+  };
+  const at::Tensor q_w = part(q_cols), g_w = part(g_cols), v_w = part(vo_cols), do_w = part(vo_cols);
   const at::Tensor thread_ws = empty_output({threads * ws_stride}, opts);
   advise_huge_pages(thread_ws);
   T* const ws0 = thread_ws.data_ptr<T>();
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; };
 
   kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, nb);
-  P.q = q_c.data_ptr<T>();
-  P.k = k_c.data_ptr<T>();
-  P.g = g_c.data_ptr<T>();
-  P.beta = b_c.data_ptr<T>();
+  // Each input through its typed pointer: T, or 16-bit (Storage).
+  auto in_ptr = [](const at::Tensor& t, kernels::Storage st, const T*& p32, const uint16_t*& p16) {
+    if (st == kernels::Storage::kCompute) {
+      p32 = t.data_ptr<T>();
+    } else {
+      p16 = static_cast<const uint16_t*>(t.data_ptr());
+    }
+  };
+  if (direct) {
+    P.q_store = *q_st;
+    P.g_store = *g_st;
+    P.beta_store = *b_st;
+  }
+  in_ptr(q_c, P.q_store, P.q, P.q16);
+  in_ptr(k_c, P.q_store, P.k, P.k16);
+  in_ptr(g_c, P.g_store, P.g, P.g16);
+  in_ptr(b_c, P.beta_store, P.beta, P.beta16);
   P.expA = ptr(expA);
   P.dt_bias = ptr(bias);
   P.q_out = ws_q.data_ptr<T>();
@@ -132,6 +169,7 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   kernels::BwdArgs<T> A;
   A.seqs = seq_info(seqs);
   A.seqs.shift = rows.shift.data();
+  A.seqs.vo_shift = vo_block ? rows.shift.data() : nullptr;
   A.BT = nb;
   A.H = H;
   A.HV = HV;
@@ -142,10 +180,10 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   A.a = P.a_out;
   A.ak = P.ak_out;
   A.beta = P.beta_out;
-  A.v = v_c.data_ptr<T>();
+  A.v = vo_block ? v_w.data_ptr<T>() : v_in.data_ptr<T>();
   A.h0 = ptr(h0);
   A.ckpt = ckpt.numel() > 0 ? ckpt.data_ptr<T>() : nullptr;
-  A.dout = dout.data_ptr<T>();
+  A.dout = vo_block ? do_w.data_ptr<T>() : do_in.data_ptr<T>();
   A.dht = ptr(dht);
   A.dq = dq_p.data_ptr<T>();
   A.dk = dk_p.data_ptr<T>();
@@ -182,8 +220,11 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   Cb.beta_c = cfg.allow_neg_eigval ? T(2) : T(1);
   Cb.g = P.g_out;  // the softplus gate's log decay (block rows)
   ChainGlobals<T> G;
-  G.q = q_c.data_ptr<T>();
-  if (gate && cfg.lower_bound) G.g = g_c.data_ptr<T>();  // the bounded gate's raw input
+  // Raw q (l2 norm) and the bounded gate's raw input: the caller's arrays, or block buffers.
+  G.q_in_block = q_block;
+  G.g_in_block = g_block;
+  if (l2) G.q = q_block ? q_w.data_ptr<T>() : q_c.data_ptr<T>();
+  if (gate && cfg.lower_bound) G.g = g_block ? g_w.data_ptr<T>() : g_c.data_ptr<T>();
   G.dq = out.dq.data_ptr<T>();
   G.dk = out.dk.data_ptr<T>();
   G.dg = out.dg.data_ptr<T>();
@@ -211,6 +252,12 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
       used += re[n] - rows.rs[n];
     }
     rows.loc[d.N] = used;
+    if (q_block) copy_block_rows(q_w, q_c.reshape({BT, H * K}), rows);
+    if (g_block) copy_block_rows(g_w, g_c.reshape({BT, HV * K}), rows);
+    if (vo_block) {
+      copy_block_rows(v_w, v_in, rows);
+      copy_block_rows(do_w, do_in, rows);
+    }
     FirstBad bad;
     prep_block<T>(P, rows, /*shifted_inputs=*/false, bad);
     report_domain(bad, in, cfg, d);

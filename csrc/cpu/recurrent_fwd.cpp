@@ -138,6 +138,21 @@ template void prep_block<float>(const kernels::PrepArgs<float>&, const BlockRows
 template void prep_block<double>(const kernels::PrepArgs<double>&, const BlockRows&, bool,
                                  FirstBad&);
 
+std::optional<kernels::Storage> storage_of(at::ScalarType st, at::ScalarType ct) {
+  if (st == ct) return kernels::Storage::kCompute;
+  if (ct == at::kFloat && st == at::kBFloat16) return kernels::Storage::kBf16;
+  if (ct == at::kFloat && st == at::kHalf) return kernels::Storage::kF16;
+  return std::nullopt;
+}
+
+void copy_block_rows(const at::Tensor& dst, const at::Tensor& src, const BlockRows& rows) {
+  const int64_t N = static_cast<int64_t>(rows.rs.size());
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t len = rows.loc[n + 1] - rows.loc[n];
+    if (len > 0) dst.narrow(0, rows.loc[n], len).copy_(src.narrow(0, rows.rs[n], len));
+  }
+}
+
 Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for_backward) {
   const auto ct = compute_dtype(in.q);
   const auto opts = in.q.options().dtype(ct);
@@ -260,12 +275,6 @@ namespace {
 
 // How the pre-processing pass reads an input of dtype st for compute dtype ct (Storage), or
 // nothing when it cannot read it directly (the driver converts it first).
-std::optional<kernels::Storage> storage_of(at::ScalarType st, at::ScalarType ct) {
-  if (st == ct) return kernels::Storage::kCompute;
-  if (ct == at::kFloat && st == at::kBFloat16) return kernels::Storage::kBf16;
-  if (ct == at::kFloat && st == at::kHalf) return kernels::Storage::kF16;
-  return std::nullopt;
-}
 
 // Token blocks of the forward: the pre-processed q, k, decay, decay*k and beta of one block of
 // every sequence (tb tokens each) live in a small workspace (8 MB: cache-resident, and reused by
@@ -441,19 +450,13 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
       used += re[n] - rs[n];
     }
     loc[d.N] = used;
-    if (conv_in || (conv_vo && !widen_v)) {
-      for (int64_t n = 0; n < d.N; ++n) {
-        const int64_t len = re[n] - rs[n];
-        if (len == 0) continue;
-        if (conv_in) {
-          q_w.narrow(0, loc[n], len).copy_(q_in.narrow(0, rs[n], len));
-          k_w.narrow(0, loc[n], len).copy_(k_in.narrow(0, rs[n], len));
-          g_w.narrow(0, loc[n], len).copy_(g_in.narrow(0, rs[n], len));
-          b_w.narrow(0, loc[n], len).copy_(b_in.narrow(0, rs[n], len));
-        }
-        if (conv_vo && !widen_v) v_w.narrow(0, loc[n], len).copy_(v_in.narrow(0, rs[n], len));
-      }
+    if (conv_in) {
+      copy_block_rows(q_w, q_in, rows);
+      copy_block_rows(k_w, k_in, rows);
+      copy_block_rows(g_w, g_in, rows);
+      copy_block_rows(b_w, b_in, rows);
     }
+    if (conv_vo && !widen_v) copy_block_rows(v_w, v_in, rows);
     // Pre-processing of the block's rows; values outside the domain are reported before the
     // block's recurrence runs.
     FirstBad bad;

@@ -941,6 +941,7 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
   const int64_t origin = A.seqs.origin[n], slot_base = A.seqs.slot_base[n];
   const int64_t sh = A.seqs.shift ? A.seqs.shift[n] : 0;
+  const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;  // v, grad_o: block rows or not
   const int64_t state_off = (n * HV + hv) * K * Vd + j0;  // in [N, HV, K, V]
   const int64_t ckpt_off = hv * K * Vd + j0;               // in one slot of [slots, HV, K, V]
   const int64_t slot_stride = HV * K * Vd;
@@ -978,10 +979,10 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   for (int64_t t = s0; t + 1 < e; ++t) {
     const int64_t slot = t - s0;
     if (t + kPrefetchTokens < e) {
-      prefetch_cols(A.v + ((t + kPrefetchTokens) * HV + hv) * Vd + j0, width, false);
+      prefetch_cols(A.v + ((t + kPrefetchTokens - vsh) * HV + hv) * Vd + j0, width, false);
     }
     const V b = splat<T>(b_h[t]);
-    const T* vt = A.v + (t * HV + hv) * Vd + j0;
+    const T* vt = A.v + ((t - vsh) * HV + hv) * Vd + j0;
     alignas(64) T u[kBwdSlice];
     for (int cc = 0; cc < NC; ++cc) {
       const V r = load_cols(rbuf + slot * kBwdSlice + cc * L, width - cc * L);
@@ -1011,8 +1012,8 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
     tk.qt = q_h + t * K;
     tk.bs = b_h[t];
     const V b = splat<T>(tk.bs);
-    const T* dot = A.dout + (t * HV + hv) * Vd + j0;
-    const T* vt = A.v + (t * HV + hv) * Vd + j0;
+    const T* dot = A.dout + ((t - vsh) * HV + hv) * Vd + j0;
+    const T* vt = A.v + ((t - vsh) * HV + hv) * Vd + j0;
     for (int cc = 0; cc < NC; ++cc) {
       // r_t = v_t - S'^T k (rbuf holds the read S'^T k), u_t = beta r_t
       const int64_t m = width - cc * L;
@@ -1040,7 +1041,7 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
     const V b = splat<T>(cur.bs);
     if (t - kPrefetchTokens >= s0) {
       const int64_t tp = t - kPrefetchTokens;
-      prefetch_cols(A.dout + (tp * HV + hv) * Vd + j0, width, false);
+      prefetch_cols(A.dout + ((tp - vsh) * HV + hv) * Vd + j0, width, false);
       prefetch_cols(A.dv + (tp * HV + hv) * Vd + j0, width, true);
     }
     if (ck_prev) {

@@ -30,8 +30,9 @@ struct SeqInfo {
   const int64_t* slot_base = nullptr;
   // The forward and the backward run in token blocks (csrc/cpu/recurrent_fwd.cpp,
   // recurrent_bwd.cpp): the pre-processed arrays (and the backward's partial gradients) hold one
-  // block, sequence n's token t at local index t - shift[n]; v and o likewise at t - vo_shift[n]
-  // when they are block buffers. Null means local == global (whole arrays).
+  // block, sequence n's token t at local index t - shift[n]; v and o (the backward: v and
+  // dout) likewise at t - vo_shift[n] when they are block buffers. Null means local == global
+  // (whole arrays).
   const int64_t* shift = nullptr;
   const int64_t* vo_shift = nullptr;
 };
@@ -62,11 +63,12 @@ struct FwdArgs : RecurrenceInputs<T> {
 };
 
 // The backward: BT (of RecurrenceInputs) is the token stride of the pre-processed block arrays
-// and of the partials; v, dout and dv are whole arrays indexed by the global token.
+// and of the partials; dv is a whole array indexed by the global token, and so are v and dout
+// unless seqs.vo_shift is set (block rows: 16-bit v and grad_o widened block by block).
 template <typename T>
 struct BwdArgs : RecurrenceInputs<T> {
   const T* ckpt = nullptr;  // [slots, HV, K, V] written by the forward
-  const T* dout = nullptr;  // [B*T, HV, V]
+  const T* dout = nullptr;  // [B*T, HV, V] (or block rows, see above)
   const T* dht = nullptr;   // [N, HV, K, V] or null
   // Sums over V columns: unit (n, hv, group p) writes partial p: [P, BT, HV, K] and [P, BT, HV].
   T* dq = nullptr;          // gradient w.r.t. the pre-processed q (scale included)

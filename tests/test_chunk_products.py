@@ -1,12 +1,14 @@
-"""bf16 state products of the native chunk forward (csrc/cpu/chunk_products.h).
+"""bf16 products of the native chunk forward and backward (csrc/cpu/chunk_products.h).
 
 With ``TORCH_KDA_CHUNK_PRODUCTS=bf16`` the chunk forward's state products (Vn = U - W S,
 o = (Q . Gam) S + M Vn, S += Kdec^T Vn) and its W/U solve ([-W | U] = (I + A)^-1 R) take bf16
-operands with fp32 accumulation for bf16 / fp16 inputs: AMX through ATen's brgemm where the CPU
-has it, else an emulation with the
-same numerics (the path these tests take on a CPU without bf16 matrix hardware). Checked: FLA's accuracy bar (output 0.005,
+operands with fp32 accumulation for bf16 / fp16 inputs (so do the chunk backward's products, all
+but the two with the gradient w.r.t. the state leaving a chunk): AMX through ATen's brgemm where
+the CPU has it, else an emulation with the same numerics (the path these tests take on a CPU without bf16 matrix hardware). Checked: FLA's accuracy bar (output 0.005,
 gradients 0.008 relative RMS) over the feature grid and strong decays, bitwise determinism across
-thread counts, fp32 inputs untouched, head sizes the products do not take, and the knob's errors.
+thread counts, fp32 inputs untouched, head sizes the products do not take, and the knob's errors;
+the backward's bf16 products (only with the knob's bf16) against FLA's gradient bar (0.008),
+with strong decays, bitwise across thread counts, and off under auto.
 K and V are multiples of 16 (the bf16 products need them); shapes stay small.
 """
 
@@ -104,6 +106,90 @@ def test_gradients_through_bf16_product_forward(dtype, monkeypatch):
     g_nat = grads(lambda x: torch.ops.kda.chunk(*op_args(x)), p.to(dtype, requires_grad=True))
     for name, gr in g_ref.items():
         assert rel_err(g_nat[name], gr) <= 0.008, name
+
+
+# ---- the chunk backward's bf16 products (chunk_bwd.cpp, only with the knob's bf16) -------------
+
+def chunk_bwd_grads(p, do, ds, products, monkeypatch):
+    """Gradients of <o, do> + <final_state, ds> by kda::chunk_bwd with the given products, from the
+    checkpoints of the forward with fp32 products (only the backward's products differ)."""
+    args = op_args(p)
+    monkeypatch.setenv(KNOB, "fp32")
+    _, _, ck = torch.ops.kda.chunk_fwd(*args)
+    monkeypatch.setenv(KNOB, products)
+    r = torch.ops.kda.chunk_bwd(do.to(p.q.dtype), ds.float(), ck, *args)
+    names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+    return {n: g for n, g in zip(names, r) if n in p.tensors()}
+
+
+def reference_grads(p, do, ds):
+    """The same gradients by autograd through the float64 reference recurrence on p's values."""
+    x = p.to(torch.float64, requires_grad=True)
+    o, s = reference.fused_recurrent_kda(*x.args, **x.kwargs)
+    ts = x.tensors()
+    gs = torch.autograd.grad((o * do).sum() + (s * ds).sum(), list(ts.values()), allow_unused=True)
+    return dict(zip(ts, gs))
+
+
+def cotangents(p, seed=123):
+    o, s = reference.fused_recurrent_kda(*p.to(torch.float64).args, **p.to(torch.float64).kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(o.shape, generator=gen, dtype=torch.float64),
+            torch.randn(s.shape, generator=gen, dtype=torch.float64))
+
+
+BWD_CASES = [(gate, varlen, dtype) for (gate, varlen), dtype in
+             zip(itertools.product(GATES, (False, True)), itertools.cycle(
+                 (torch.bfloat16, torch.float16)))]
+
+
+@pytest.mark.parametrize("gate,varlen,dtype", BWD_CASES)
+def test_bf16_backward_products_meet_fla_ratio(gate, varlen, dtype, monkeypatch):
+    seed = abs(hash((gate, varlen, str(dtype), "bwd"))) % 10_000
+    exact = make_problem(B=2, T=150, H=2, HV=4, K=32, V=16, gate=gate,
+                         neg_eigval=gate == "bounded", initial_state=True,
+                         seqlens=SEQLENS if varlen else None, seed=seed)
+    p = exact.to(dtype)
+    do, ds = cotangents(p)
+    g16 = chunk_bwd_grads(p, do, ds, "bf16", monkeypatch)
+    g32 = chunk_bwd_grads(p, do, ds, "fp32", monkeypatch)
+    assert any(not torch.equal(g16[n], g32[n]) for n in g16)  # the bf16 products ran
+    # FLA's bar against float64 on the rounded inputs (the kernel's error), and against the exact
+    # inputs (with the inputs' rounding).
+    for ref in (reference_grads(p, do, ds), reference_grads(exact, do, ds)):
+        for name, gr in ref.items():
+            assert g16[name].dtype == p.tensors()[name].dtype, name
+            assert rel_err(g16[name], gr) <= 0.008, (name, rel_err(g16[name], gr))
+
+
+@pytest.mark.parametrize("kind", ["strong", "strong_then_weak", "block_split"])
+def test_bf16_backward_products_with_strong_decays(kind, monkeypatch):
+    p = _strong(kind).to(torch.bfloat16)
+    do, ds = cotangents(p)
+    g16 = chunk_bwd_grads(p, do, ds, "bf16", monkeypatch)
+    for name, gr in reference_grads(p, do, ds).items():
+        assert torch.isfinite(g16[name]).all(), name
+        assert rel_err(g16[name], gr) <= 0.008, (name, rel_err(g16[name], gr))
+
+
+def test_backward_keeps_fp32_products_under_auto(monkeypatch):
+    # auto turns on the forward's bf16 products where the CPU has AMX, not the backward's.
+    p = make_problem(B=1, T=100, H=1, HV=2, K=16, V=32, gate="softplus", seed=12).to(torch.bfloat16)
+    do, ds = cotangents(p)
+    g_auto = chunk_bwd_grads(p, do, ds, "auto", monkeypatch)
+    g32 = chunk_bwd_grads(p, do, ds, "fp32", monkeypatch)
+    for name in g32:
+        assert torch.equal(g_auto[name], g32[name]), name
+
+
+def test_bf16_backward_bitwise_identical_for_one_two_three_threads(monkeypatch):
+    p = make_problem(B=1, T=200, H=1, HV=3, K=32, V=48, gate="softplus", seed=19,
+                     seqlens=(130, 5, 65)).to(torch.bfloat16)
+    do, ds = cotangents(p)
+    results = per_thread_count(lambda: chunk_bwd_grads(p, do, ds, "bf16", monkeypatch))
+    for other in results[1:]:
+        for name in results[0]:
+            assert torch.equal(results[0][name], other[name]), name
 
 
 def test_bitwise_identical_for_one_two_three_threads(monkeypatch):

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -138,6 +139,36 @@ struct BwdWork {
     dG = c.take<double>(kC * K);
     dgx = c.take<double>(kC * K);
     acc = c.take<double>(2 * K);
+  }
+};
+
+// Operands of the backward's bf16 products (bf16 / fp16 inputs, chunk_products.h), float only.
+// A operands are bf16 row-major; B operands are laid out by pack_b (packed bf16, or rounded fp32
+// in the emulation) in three slots reused along the chunk (sizes for the emulation's fp32).
+struct BwdProducts {
+  chunk::ProductWork p;  // the solve's parts (chunk_common's solve_wu, pack_rhs)
+  at::BFloat16* x;       // [2 kC, V]   [dO; dVn]
+  at::BFloat16* nw;      // [kC, K]     NW
+  at::BFloat16* dr;      // [kC, ld]    dR
+  at::BFloat16* qgT;     // [K, kC]     (Q . Gam)^T, zero past n
+  at::BFloat16* nwT;     // [K, kC]     NW^T, zero past n
+  at::BFloat16* mT;      // [kC, kC]    M^T, zero past n
+  at::BFloat16* tT;      // [kC, kC]    T^T = (I + A)^-T, zero past n
+  void* slot[3];         // packed B operands
+
+  BwdProducts(chunk::Products mode, Carver& c, int64_t K, int64_t V) : p(mode, c, K, V) {
+    const int64_t ld = K + V;
+    // The backward's A operands reach [2 kC, K + V] elements: a larger widening buffer for the
+    // emulation than the forward's.
+    p.fa = c.take<float>(2 * kC * ld);
+    x = c.take<at::BFloat16>(2 * kC * V);
+    nw = c.take<at::BFloat16>(kC * K);
+    dr = c.take<at::BFloat16>(kC * ld);
+    qgT = c.take<at::BFloat16>(K * kC);
+    nwT = c.take<at::BFloat16>(K * kC);
+    mT = c.take<at::BFloat16>(kC * kC);
+    tT = c.take<at::BFloat16>(kC * kC);
+    for (void*& s : slot) s = c.take<float>(std::max(K * V, kC * ld));
   }
 };
 
@@ -301,12 +332,87 @@ KDA_ALWAYS_INLINE void state_products(const chunk::ChunkIn<T>& c, chunk::ChunkWo
   chunk::gemm(n, n, V, bw.X, V, bw.vnT, kC, bw.dam + kC, 2 * kC, /*add=*/false);
 }
 
+// state_products with bf16 operands and fp32 accumulation (bf16 / fp16 inputs, chunk_products.h:
+// the operands rounded to bf16 only as operands, every result fp32, as the forward's products),
+// except the two products with dS_next, the gradient w.r.t. the state leaving the chunk: through
+// Kdec dS_next and Vn dS_next^T the gradient of every later token reaches this chunk's, and with
+// those rounded to bf16 too the gradients of beta, v and A_log of a small problem (K = 16, V = 32,
+// T = 150, tests/test_chunk_products.py) went from 0.002-0.005 to 0.007-0.0081 relative RMS
+// against float64, at FLA's bar of 0.008; they stay fp32 (4 of the chunk's ~19 MFLOP in
+// products). The solve ran in its bf16 form, which leaves T = (I + A)^-1 in cw.na:
+// dR = T^T [dNW | dVn] is one product instead of the substitution (T rounded to bf16 as the
+// forward's X = T R had it). Products over the chunk's tokens run over product_cols(n) columns
+// with zeros past n.
+KDA_ALWAYS_INLINE void state_products_bf16(const chunk::ChunkIn<float>& c,
+                                           chunk::ChunkWork<float>& cw, BwdWork<float>& bw,
+                                           BwdProducts& bp) {
+  using chunk::gemm16;
+  using chunk::pack_b;
+  using chunk::round_bf16;
+  using chunk::transpose;
+  using chunk::zero_cols;
+  const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
+  const int64_t ncol = chunk::product_cols(n);
+  const chunk::ProductWork& p = bp.p;
+  // Vn = U + NW S (the forward's product, the same bits)
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(bw.vn + i * V, bw.xu + i * ld + K, sizeof(float) * V);
+    round_bf16(bw.xu + i * ld, bp.nw + i * K, K);
+  }
+  pack_b(p, K, V, K, bw.S, V, bp.slot[0]);
+  gemm16(p, n, V, K, bp.nw, K, bp.slot[0], bw.vn, V, /*add=*/true);
+  // dVn = M^T dO + Kdec dS_next (dO packed in slot 1 until dS)
+  float* dVn = bw.X + n * V;
+  transpose(cw.am + kC, n, n, 2 * kC, bp.mT, kC);
+  zero_cols(bp.mT, n, kC, n, ncol);
+  pack_b(p, ncol, V, n, bw.X, V, bp.slot[1]);
+  gemm16(p, n, V, ncol, bp.mT, kC, bp.slot[1], dVn, V, /*add=*/false);
+  chunk::gemm(n, V, K, bw.kdec, K, bw.dS, V, dVn, V, /*add=*/true);
+  // [d(Q . Gam); dNW] = [dO; dVn] S^T
+  round_bf16(bw.X, bp.x, 2 * n * V);
+  transpose(bw.S, K, V, V, bw.ST, K);
+  pack_b(p, V, K, V, bw.ST, K, bp.slot[0]);
+  gemm16(p, 2 * n, K, V, bp.x, V, bp.slot[0], bw.Y, K, /*add=*/false);
+  // dKdec = Vn dS_next^T
+  transpose(bw.dS, K, V, V, bw.dST, K);
+  chunk::gemm(n, K, V, bw.vn, V, bw.dST, K, bw.dkdec, K, /*add=*/false);
+  // dS = (Q . Gam)^T dO + NW^T dVn (+ Diag(Gam_last) dS_next, added by the caller)
+  transpose(cw.qg, n, K, K, bp.qgT, kC);
+  zero_cols(bp.qgT, K, kC, n, ncol);
+  transpose(bw.xu, n, K, ld, bp.nwT, kC);
+  zero_cols(bp.nwT, K, kC, n, ncol);
+  pack_b(p, ncol, V, n, dVn, V, bp.slot[0]);
+  gemm16(p, K, V, ncol, bp.qgT, kC, bp.slot[1], bw.dSnew, V, /*add=*/false);
+  gemm16(p, K, V, ncol, bp.nwT, kC, bp.slot[0], bw.dSnew, V, /*add=*/true);
+  // dR = T^T [dNW | dVn]
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(bw.dR + i * ld, bw.Y + (n + i) * K, sizeof(float) * K);
+    std::memcpy(bw.dR + i * ld + K, dVn + i * V, sizeof(float) * V);
+  }
+  pack_b(p, ncol, ld, n, bw.dR, ld, bp.slot[2]);
+  transpose(cw.na, n, n, kC, bp.tT, kC);
+  zero_cols(bp.tT, n, kC, n, ncol);
+  gemm16(p, n, ld, ncol, bp.tT, kC, bp.slot[2], bw.dR, ld, /*add=*/false);
+  // dA = -strict_tril(dR [NW | U]^T);  dM = tril(dO Vn^T)  (columns up to ncol; those past n
+  // are not read)
+  round_bf16(bw.dR, bp.dr, n * ld);
+  transpose(bw.xu, n, ld, ld, bw.xuT, kC);
+  zero_cols(bw.xuT, ld, kC, n, ncol);
+  pack_b(p, ld, ncol, ld, bw.xuT, kC, bp.slot[2]);
+  gemm16(p, n, ncol, ld, bp.dr, ld, bp.slot[2], bw.dam, 2 * kC, /*add=*/false);
+  transpose(bw.vn, n, V, V, bw.vnT, kC);
+  zero_cols(bw.vnT, V, kC, n, ncol);
+  pack_b(p, V, ncol, V, bw.vnT, kC, bp.slot[2]);
+  gemm16(p, n, ncol, V, bp.x, V, bp.slot[2], bw.dam + kC, 2 * kC, /*add=*/false);
+}
+
 // The backward of one chunk (docs/math.md "Chunkwise backward"), tokens [s0, s0 + c.n) of value
 // head hv: S0 the state entering the chunk (null: zeros), bw.dS the gradient w.r.t. the state
-// leaving it on entry and w.r.t. the state entering it on return.
+// leaving it on entry and w.r.t. the state entering it on return. bp: the bf16 products' parts
+// (null: the compute dtype's products).
 template <typename T>
 KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c, int64_t s0, int64_t hv,
-                    const T* S0, chunk::ChunkWork<T>& cw, BwdWork<T>& bw) {
+                    const T* S0, chunk::ChunkWork<T>& cw, BwdWork<T>& bw, BwdProducts* bp) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V, HV = A.HV;
   const int64_t nb = (n + kSub - 1) / kSub;
   if (!S0) {
@@ -316,7 +422,23 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
   bw.S = S0;
 
   // ---- forward quantities of the chunk (chunk_common) ----
-  chunk::chunk_intra(c, cw);  // gam, qg, kdecT, am (A0 / M), na = -A, x = [NW | U]
+  // gam, qg, kdecT, am (A0 / M), then the solve: x = [NW | U], na = -A (with bf16 products na =
+  // T = (I + A)^-1: the forward's bf16 solve; Gam, A0 and M stay in T as the forward's).
+  chunk::decays_and_am(c, cw);
+  if constexpr (std::is_same_v<T, float>) {
+    if (bp) {
+      // Only the solve in bf16: cw keeps fp32 products for decays_and_am, whose fp32 q . Gam
+      // the per-token rows read.
+      chunk::ChunkWork<T> solve = cw;
+      solve.prod = bp->p;
+      chunk::pack_rhs(c, solve);
+      chunk::solve_wu(c, solve);
+    } else {
+      chunk::solve_wu(c, cw);
+    }
+  } else {
+    chunk::solve_wu(c, cw);
+  }
   bw.xu = cw.x;
   // exp(G_last - G_i) and Kdec_i = k_i exp(G_last - G_i) (the running product of chunk_common's
   // kdecT, formed here token-major instead of transposing kdecT back).
@@ -338,7 +460,15 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
   }
   const T* dO = A.dout + (s0 * HV + hv) * V;
   for (int64_t i = 0; i < n; ++i) std::memcpy(bw.X + i * V, dO + i * HV * V, sizeof(T) * V);
-  state_products(c, cw, bw);
+  if constexpr (std::is_same_v<T, float>) {
+    if (bp) {
+      state_products_bf16(c, cw, bw, *bp);
+    } else {
+      state_products(c, cw, bw);
+    }
+  } else {
+    state_products(c, cw, bw);
+  }
   const T* gl = cw.gam + (n - 1) * K;
   for (int64_t d = 0; d < K; ++d) {
     const T* s = bw.S + d * V;
@@ -566,7 +696,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
 // All chunks of value head hv of sequence n, last first.
 template <typename T>
 void bwd_unit(const UnitArgs<T>& A, int64_t n, int64_t hv, chunk::ChunkWork<T>& cw,
-              BwdWork<T>& bw) {
+              BwdWork<T>& bw, BwdProducts* bp) {
   const int64_t K = A.K, V = A.V, HV = A.HV, BT = A.BT;
   const int64_t h = hv / (HV / A.H);
   const int64_t ts = A.seqs->start[n], te = A.seqs->end[n];
@@ -596,14 +726,14 @@ void bwd_unit(const UnitArgs<T>& A, int64_t n, int64_t hv, chunk::ChunkWork<T>& 
       c.beta = A.beta + hv * BT + s0;
       c.v = A.v + (s0 * HV + hv) * V;
       c.ldv = HV * V;
-      chunk_backward(A, c, s0, hv, S0, cw, bw);
+      chunk_backward(A, c, s0, hv, S0, cw, bw, bp);
     }
   }
   std::memcpy(A.dh0 + state_off, bw.dS, sizeof(T) * K * V);
 }
 
 template <typename T>
-void run_chunk_bwd(const BwdSetup& s, const KernelGrads& kg) {
+void run_chunk_bwd(const BwdSetup& s, const KernelGrads& kg, chunk::Products products) {
   const Dims& d = s.d;
   UnitArgs<T> A;
   A.BT = d.B * d.T;
@@ -629,9 +759,11 @@ void run_chunk_bwd(const BwdSetup& s, const KernelGrads& kg) {
   A.dh0 = kg.dh0.data_ptr<T>();
   // One workspace per thread (forward pieces, then the backward's), reused by all its units.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const bool bf16 = products != chunk::Products::kNative;
   Carver sizer(nullptr);  // carves no memory: only the sizes count
   chunk::ChunkWork<T>(sizer, d.K, d.V);
   BwdWork<T>(sizer, d.K, d.V);
+  if (bf16) BwdProducts(products, sizer, d.K, d.V);
   const int64_t stride = sizer.bytes();
   const at::Tensor ws = empty_output({threads * stride + 64}, kg.dq.options().dtype(at::kByte));
   advise_huge_pages(ws);  // ~1.6 MB per thread at K = V = 128 in float: fresh pages every call
@@ -642,8 +774,12 @@ void run_chunk_bwd(const BwdSetup& s, const KernelGrads& kg) {
     Carver c(ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * stride);
     chunk::ChunkWork<T> cw(c, d.K, d.V);
     BwdWork<T> bw(c, d.K, d.V);
-    for (int64_t u = begin; u < end; ++u) bwd_unit<T>(A, u / d.HV, u % d.HV, cw, bw);
-    chunk::gemm_release();
+    std::optional<BwdProducts> bp;
+    if (bf16) bp.emplace(products, c, d.K, d.V);
+    for (int64_t u = begin; u < end; ++u) {
+      bwd_unit<T>(A, u / d.HV, u % d.HV, cw, bw, bp ? &*bp : nullptr);
+    }
+    chunk::gemm_release(products);
   });
 }
 
@@ -671,9 +807,9 @@ std::vector<at::Tensor> chunk_bwd_cpu(const at::Tensor& d_o,
   kg.dh0 = empty_output({d.N, d.HV, d.K, d.V}, opts);
   for (const at::Tensor* t : {&kg.dq, &kg.dk, &kg.dg, &kg.dv}) advise_huge_pages(*t);
   if (opts.dtype() == at::kDouble) {
-    run_chunk_bwd<double>(s, kg);
+    run_chunk_bwd<double>(s, kg, chunk::Products::kNative);
   } else {
-    run_chunk_bwd<float>(s, kg);
+    run_chunk_bwd<float>(s, kg, chunk::choose_bwd_products(in.q.scalar_type(), d.K, d.V, cfg.op));
   }
   return backward_finish(s, kg, in, cfg);
 }

@@ -504,6 +504,13 @@ void chunk_intra(const ChunkIn<T>& c, ChunkWork<T>& w) {
   solve_wu(c, w);
 }
 
+KDA_CLONES void pack_rhs(const ChunkIn<float>& c, ChunkWork<float>& w) {
+  const int64_t n = c.n, ld = c.K + c.V;
+  // x, the solve's result (not yet written), stages R's rows.
+  for (int64_t i = 0; i < n; ++i) rhs_row(c, w, i, w.x + i * ld);
+  pack_b(w.prod, product_cols(n), ld, n, w.x, ld, w.prod.rhs);
+}
+
 namespace {
 
 // state_step with bf16 products (chunk_products.h): S packed once for the two products that read

@@ -155,6 +155,11 @@ void decays_and_am(const ChunkIn<T>& c, ChunkWork<T>& w);
 template <typename T>
 void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w);
 
+// The bf16 solve's right-hand side R (rows [0, n)) packed into w.prod.rhs from gam, as
+// decays_and_am stages it with bf16 products: for a caller whose decays_and_am ran with fp32
+// products (the chunk backward, which reads the fp32 q . Gam), before solve_wu with bf16 ones.
+void pack_rhs(const ChunkIn<float>& c, ChunkWork<float>& w);
+
 // All the state-independent quantities of the chunk: decays_and_am, solve_wu.
 template <typename T>
 void chunk_intra(const ChunkIn<T>& c, ChunkWork<T>& w);

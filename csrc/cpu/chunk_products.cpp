@@ -23,17 +23,28 @@ namespace {
 // [Kd, width] matrix, one after the other, and each product runs per block.
 constexpr int64_t kBlockN = 64;
 
-}  // namespace
-
-Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op) {
+// The value of TORCH_KDA_CHUNK_PRODUCTS (auto when unset or empty), checked.
+std::string products_knob(const char* op) {
   const char* env = std::getenv("TORCH_KDA_CHUNK_PRODUCTS");
   const std::string knob = env && *env ? env : "auto";
   KDA_CHECK(knob == "auto" || knob == "fp32" || knob == "bf16", op,
               "TORCH_KDA_CHUNK_PRODUCTS must be auto, fp32 or bf16, got '", knob, "'");
+  return knob;
+}
+
+}  // namespace
+
+Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op) {
+  const std::string knob = products_knob(op);
   const bool half = input == at::kBFloat16 || input == at::kHalf;
   if (!half || knob == "fp32" || K % 16 != 0 || V % 16 != 0) return Products::kNative;
   if (at::native::cpublas::could_pack(at::kBFloat16)) return Products::kBf16;
   return knob == "bf16" ? Products::kBf16Emulated : Products::kNative;
+}
+
+Products choose_bwd_products(at::ScalarType input, int64_t K, int64_t V, const char* op) {
+  const Products p = choose_products(input, K, V, op);
+  return products_knob(op) == "bf16" ? p : Products::kNative;
 }
 
 ProductWork::ProductWork(Products mode_, Carver& c, int64_t K, int64_t V) : mode(mode_) {

@@ -67,6 +67,15 @@ KDA_ALWAYS_INLINE void round_bf16(const float* __restrict x, at::BFloat16* __res
   for (int64_t e = 0; e < n; ++e) yb[e] = uint16_t(bf16_bits(x[e]));
 }
 
+// Zero columns [from, to) of `rows` rows (row stride ld). The bf16 products over a chunk's
+// tokens read their operands up to product_cols(n) columns (chunk_products.h; the packed B takes
+// rows in pairs, blocks of 16): the columns past n are zeroed so no stale value (possibly inf or
+// NaN) meets the zeros of the other operand.
+template <typename D>
+KDA_ALWAYS_INLINE void zero_cols(D* a, int64_t rows, int64_t ld, int64_t from, int64_t to) {
+  for (int64_t r = 0; r < rows; ++r) std::fill(a + r * ld + from, a + r * ld + to, D(0.0f));
+}
+
 namespace vec_detail {
 
 #if defined(__GNUC__) || defined(__clang__)

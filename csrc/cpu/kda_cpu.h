@@ -213,10 +213,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_forward(const Inputs& in, con
 // t - A.seqs.vo_shift[n] when those are non-null), A.ht holds each sequence's running state
 // between blocks (a block with rs[n] == seqs.start[n] starts from h0 instead), and the block's
 // o rows written to A.o are converted into o afterwards. The block plan depends on the shapes
-// only (blocks of 2 MB of rows), or with grow_with_threads also on the thread count (8 MB, more
-// than 4 threads get larger blocks; only for a run_block whose results do not depend on where
-// blocks start). An empty
-// sequence appears in block 0 with rs == re.
+// only (blocks of 2 MB of rows, at least 4 chunks of each sequence), or with grow_with_threads
+// also on the thread count (8 MB, more than 4 threads get larger blocks; only for a run_block
+// whose results do not depend on where blocks start). An empty sequence appears in block 0 with
+// rs == re.
 template <typename T>
 using BlockRunner = std::function<void(const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
                                        const std::vector<int64_t>& re, int64_t j)>;

@@ -114,6 +114,11 @@ int64_t first_unstable_write(const at::Tensor& k, const at::Tensor& beta, bool b
 // the token stride of the outputs. The caller sets the pointers.
 template <typename T>
 kernels::PrepArgs<T> make_prep_args(const Config& cfg, const Dims& d, int64_t stride);
+// Points P's q, k, g and beta at the given inputs through the pointer their storage in P names:
+// T (kCompute) or 16-bit; set P's storages first.
+template <typename T>
+void set_prep_inputs(kernels::PrepArgs<T>& P, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& g, const at::Tensor& beta);
 // How the pre-processing pass reads an input of dtype st in compute dtype ct: as it is
 // (kCompute), bf16 / fp16 widened in registers (ct = float), or nullopt (converted first).
 std::optional<kernels::Storage> storage_of(at::ScalarType st, at::ScalarType ct);

@@ -135,23 +135,12 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; };
 
   kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, nb);
-  // Each input through its typed pointer: T, or 16-bit (Storage).
-  auto in_ptr = [](const at::Tensor& t, kernels::Storage st, const T*& p32, const uint16_t*& p16) {
-    if (st == kernels::Storage::kCompute) {
-      p32 = t.data_ptr<T>();
-    } else {
-      p16 = static_cast<const uint16_t*>(t.data_ptr());
-    }
-  };
   if (direct) {
     P.q_store = *q_st;
     P.g_store = *g_st;
     P.beta_store = *b_st;
   }
-  in_ptr(q_c, P.q_store, P.q, P.q16);
-  in_ptr(k_c, P.q_store, P.k, P.k16);
-  in_ptr(g_c, P.g_store, P.g, P.g16);
-  in_ptr(b_c, P.beta_store, P.beta, P.beta16);
+  set_prep_inputs(P, q_c, k_c, g_c, b_c);
   P.expA = ptr(expA);
   P.dt_bias = ptr(bias);
   P.q_out = ws_q.data_ptr<T>();

@@ -112,6 +112,26 @@ kernels::PrepArgs<T> make_prep_args(const Config& cfg, const Dims& d, int64_t st
   P.beta_mult = cfg.allow_neg_eigval ? 2.0 : 1.0;
   return P;
 }
+template <typename T>
+void set_prep_inputs(kernels::PrepArgs<T>& P, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& g, const at::Tensor& beta) {
+  auto point = [](const at::Tensor& t, kernels::Storage st, const T*& p32, const uint16_t*& p16) {
+    if (st == kernels::Storage::kCompute) {
+      p32 = t.data_ptr<T>();
+    } else {
+      p16 = static_cast<const uint16_t*>(t.data_ptr());
+    }
+  };
+  point(q, P.q_store, P.q, P.q16);
+  point(k, P.q_store, P.k, P.k16);
+  point(g, P.g_store, P.g, P.g16);
+  point(beta, P.beta_store, P.beta, P.beta16);
+}
+template void set_prep_inputs<float>(kernels::PrepArgs<float>&, const at::Tensor&,
+                                     const at::Tensor&, const at::Tensor&, const at::Tensor&);
+template void set_prep_inputs<double>(kernels::PrepArgs<double>&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&);
+
 template kernels::PrepArgs<float> make_prep_args<float>(const Config&, const Dims&, int64_t);
 template kernels::PrepArgs<double> make_prep_args<double>(const Config&, const Dims&, int64_t);
 
@@ -390,23 +410,12 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   const at::Tensor ws_b = empty_output({d.HV, nb}, opts);
 
   kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, nb);
-  // Each input through its typed pointer: T, or 16-bit (Storage).
-  auto in_ptr = [&](const at::Tensor& t, kernels::Storage st, const T*& p32, const uint16_t*& p16) {
-    if (st == kernels::Storage::kCompute) {
-      p32 = t.data_ptr<T>();
-    } else {
-      p16 = static_cast<const uint16_t*>(t.data_ptr());
-    }
-  };
   if (direct) {
     P.q_store = *q_st;
     P.g_store = *g_st;
     P.beta_store = *b_st;
   }
-  in_ptr(q_c, P.q_store, P.q, P.q16);
-  in_ptr(k_c, P.q_store, P.k, P.k16);
-  in_ptr(g_c, P.g_store, P.g, P.g16);
-  in_ptr(b_c, P.beta_store, P.beta, P.beta16);
+  set_prep_inputs(P, q_c, k_c, g_c, b_c);
   if (widen_v) {
     P.v_store = *v_st;
     P.v16 = static_cast<const uint16_t*>(v_in.data_ptr());

@@ -7,7 +7,7 @@ rate, peak memory, tables, issue 3 targets, plot; its docstring says what is mea
 Usage (from outside the repository root, so the installed package with its native library is
 imported, not the source tree)::
 
-    cd /tmp && python /work/main/benchmarks/bench_cpu.py [--quick] [--json F] [--out F.md] [--plot F.png]
+    cd /tmp && python REPO/benchmarks/bench_cpu.py [--quick] [--json F] [--out F.md] [--plot F.png]
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ab_libs import build_parser  # this folder is the script's sys.path[0]
+from ab_chunk_fwd import chunk_problem  # this folder is the script's sys.path[0]
 
 
 def digest(tensors) -> str:
@@ -37,27 +37,8 @@ def digest(tensors) -> str:
 
 
 def main() -> None:
-    p = build_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--a-log", type=float, default=None)
-    a = p.parse_args()
-    torch.ops.load_library(a.lib)
-    torch.set_num_threads(a.threads)
-    H, T, K = a.heads, a.seq_len, 128
-    dt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    gen = torch.Generator().manual_seed(0)
-
-    def rnd(*s: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(*s, generator=gen) * scale
-
-    q, k, v, g = (rnd(1, T, H, K).to(dt) for _ in range(4))
-    beta = rnd(1, T, H).to(dt)
-    A_log = torch.rand(H, generator=gen) * 2.7
-    dt_bias = rnd(H * K, scale=0.5)
-    if a.a_log is not None:
-        A_log.fill_(a.a_log)
-    args = (q, k, v, g, beta, K ** -0.5, None, True, True, True, False, None, False, None,
-            A_log, dt_bias)
+    a, args, rnd, dt = chunk_problem(__doc__.split("\n\n")[0])
+    H, T = a.heads, a.seq_len
     kda = torch.ops.kda
     o, _, ckpt = kda.fused_recurrent_fwd(*args)
     d_o = rnd(*o.shape).to(dt)

@@ -26,8 +26,13 @@ import torch
 from ab_libs import build_parser  # this folder is the script's sys.path[0]
 
 
-def main() -> None:
-    p = build_parser(__doc__.split("\n\n")[0])
+def chunk_problem(description: str):
+    """Parses the A/B arguments (ab_libs.build_parser plus --dtype, --a-log), loads ``a.lib``, sets
+    the thread count and makes the inputs. Returns the parsed arguments, the operator arguments
+    (``q, k, v, g, beta, scale, ...`` in the schema order of ``kda::chunk``), ``rnd(*shape)`` for
+    further random tensors from the same generator, and the input dtype; also used by
+    benchmarks/ab_chunk_bwd.py."""
+    p = build_parser(description)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--a-log", type=float, default=None)
     a = p.parse_args()
@@ -46,14 +51,21 @@ def main() -> None:
     dt_bias = rnd(H * K, scale=0.5)
     if a.a_log is not None:
         A_log.fill_(a.a_log)
+    op_args = (q, k, v, g, beta, K ** -0.5, None, True, True, True, False, None, False, None,
+               A_log, dt_bias)
+    return a, op_args, rnd, dt
+
+
+def main() -> None:
+    a, op_args, _, _ = chunk_problem(__doc__.split("\n\n")[0])
+    H, T = a.heads, a.seq_len
     clock = time.process_time if a.threads == 1 else time.perf_counter
 
     def call(op):
         def run() -> float:
             with torch.no_grad():
                 t0 = clock()
-                op(q, k, v, g, beta, K ** -0.5, None, True, True, True, False, None, False, None,
-                   A_log, dt_bias)
+                op(*op_args)
                 return clock() - t0
         return run
 

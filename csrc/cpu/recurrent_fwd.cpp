@@ -303,8 +303,8 @@ namespace {
 // workspace is 2 MB (about a core's L2): it reads each row first in its chunk pass, long after
 // the pre-processing wrote it, and with 8 MB those first reads missed L2 (B1 T8K H4 bf16, 1 thread,
 // Zen 5 box: chunk forward 42.6-43.0 -> 36.7-38.6 ms; the recurrent kernels gain nothing from
-// smaller blocks: 32.4 ms with 1 MB against 32.5 ms with 8 MB). For the recurrent
-// kernels (grow_with_threads) the workspace grows by 2 MB per thread beyond 4 threads: each block
+// smaller blocks: 32.4 ms with 1 MB against 32.5 ms with 8 MB). For the recurrent kernels
+// (BlockBudget::kRecurrent) the workspace grows by 2 MB per thread beyond 4 threads: each block
 // costs two parallel regions (the pre-processing pass, then the units), and on the 16-core host
 // 64-token blocks (H32) spent more in those barriers than the smaller workspace saved (H32 at 16
 // threads 117-161K -> 160-170K tokens/s with 32 MB; at 1 thread on the 2-core box 32 MB ran 5-10%
@@ -320,16 +320,19 @@ struct BlockPlan {
 
 constexpr int64_t kMinChunksPerBlock = 4;
 
-BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt, bool grow_with_threads) {
-  const int64_t threads = grow_with_threads ? std::max<int64_t>(1, at::get_num_threads()) : 1;
-  const int64_t budget = (grow_with_threads ? std::max<int64_t>(8, 2 * threads) : 2) << 20;
-  const int64_t per_token = ((2 * d.H + 2 * d.HV) * d.K + d.HV) * static_cast<int64_t>(elt);
-  int64_t tb = std::max<int64_t>(1, budget / std::max<int64_t>(1, per_token));
-  // The chunk forward's blocks hold at least kMinChunksPerBlock chunks of each sequence: with
-  // 2 MB a block of H16 holds one chunk, and on the 16-core host every 64 tokens then ended in a
-  // barrier of all threads (B1 T8K H16 bf16, 16 threads: chunk forward 1.1-1.4x slower than
-  // with 8 MB blocks, side by side). Still a function of the shapes only.
-  if (!grow_with_threads) tb = std::max<int64_t>(tb, kMinChunksPerBlock * kernels::kChunk);
+BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt, BlockBudget budget) {
+  const int64_t per_token =
+      std::max<int64_t>(1, ((2 * d.H + 2 * d.HV) * d.K + d.HV) * static_cast<int64_t>(elt));
+  int64_t tb;
+  if (budget == BlockBudget::kRecurrent) {
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    tb = (std::max<int64_t>(8, 2 * threads) << 20) / per_token;
+  } else {
+    // At least kMinChunksPerBlock chunks of each sequence: with 2 MB a block of H16 holds one
+    // chunk, and on the 16-core host every 64 tokens then ended in a barrier of all threads
+    // (B1 T8K H16 bf16, 16 threads: chunk forward 1.1-1.4x slower than with 8 MB blocks).
+    tb = std::max<int64_t>((int64_t(2) << 20) / per_token, kMinChunksPerBlock * kernels::kChunk);
+  }
   tb = std::min<int64_t>(4096, std::max<int64_t>(kernels::kChunk, tb / kernels::kChunk * kernels::kChunk));
   int64_t max_len = 0;
   for (size_t n = 0; n < s.start.size(); ++n) max_len = std::max(max_len, s.end[n] - s.start[n]);
@@ -353,12 +356,12 @@ BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt, bool grow_w
 template <typename T>
 void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
                      const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
-                     const at::Tensor& ckpt, bool grow_with_threads,
+                     const at::Tensor& ckpt, BlockBudget budget,
                      const BlockRunner<T>& run_block) {
   const auto ct = compute_dtype(in.q);
   const auto opts = in.q.options().dtype(ct);
   const int64_t BT = d.B * d.T;
-  const BlockPlan plan = plan_blocks(d, seqs, sizeof(T), grow_with_threads);
+  const BlockPlan plan = plan_blocks(d, seqs, sizeof(T), budget);
   const int64_t nb = plan.nb;
   // bf16 / fp16 inputs of an fp32 computation are read as they are by the pre-processing pass,
   // which widens them in registers (half the bytes, no conversion pass; v is widened into the
@@ -490,10 +493,10 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
 }
 template void run_fwd_blocked<float>(const Inputs&, const Config&, const Dims&, const Sequences&,
                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     const at::Tensor&, bool, const BlockRunner<float>&);
+                                     const at::Tensor&, BlockBudget, const BlockRunner<float>&);
 template void run_fwd_blocked<double>(const Inputs&, const Config&, const Dims&, const Sequences&,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, bool, const BlockRunner<double>&);
+                                      const at::Tensor&, BlockBudget, const BlockRunner<double>&);
 
 namespace {
 
@@ -526,7 +529,7 @@ void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Seq
   const int64_t ws_stride = kernels::fwd_scratch_elems(d.K, n_slices);
   const at::Tensor thread_ws = at::empty({threads * ws_stride}, in.q.options().dtype(compute_dtype(in.q)));
   T* const ws0 = thread_ws.data_ptr<T>();
-  run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, /*grow_with_threads=*/true,
+  run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, BlockBudget::kRecurrent,
                      [&](const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
                          const std::vector<int64_t>& re, int64_t j) {
     // An empty sequence still runs once (in block 0), so its final state is its initial state.

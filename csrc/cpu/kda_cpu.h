@@ -66,7 +66,6 @@ struct Prepared {
   at::Tensor q;       // [H, BT, K]   scale * qhat
   at::Tensor k_hm;    // [H, BT, K]   khat
   at::Tensor a;       // [HV, BT, K]  exp(g)
-  at::Tensor ak;      // [HV, BT, K]  exp(g) * khat (of the value head's key head)
   at::Tensor beta_hm; // [HV, BT]     write strength
   at::Tensor v;       // [BT, HV, V]
   // For the backward's chain rule (csrc/cpu/recurrent_bwd.cpp, chain_rule_tokens), token-major:
@@ -170,25 +169,6 @@ struct Sequences {
 };
 Sequences make_sequences(const Inputs& in, const Dims& d);
 kernels::SeqInfo seq_info(const Sequences& s);
-
-// The kernel inputs shared by the forward and the backward (pointers into p and h0).
-template <typename T>
-void fill_recurrence_inputs(kernels::RecurrenceInputs<T>& A, const Prepared& p, const Dims& d,
-                            const Sequences& seqs, const at::Tensor& h0) {
-  A.seqs = seq_info(seqs);
-  A.BT = d.B * d.T;
-  A.H = d.H;
-  A.HV = d.HV;
-  A.K = d.K;
-  A.V = d.V;
-  A.q = p.q.data_ptr<T>();
-  A.k = p.k_hm.data_ptr<T>();
-  A.a = p.a.data_ptr<T>();
-  A.ak = p.ak.data_ptr<T>();
-  A.beta = p.beta_hm.data_ptr<T>();
-  A.v = p.v.data_ptr<T>();
-  A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
-}
 
 // Initial state in [N, HV, K, V] layout and compute dtype (undefined if none).
 at::Tensor state_kv(const std::optional<at::Tensor>& s, const Config& cfg, at::ScalarType ct);

@@ -58,7 +58,6 @@ void fill_prep(kernels::PrepArgs<T>& P, const at::Tensor& q, const at::Tensor& k
   P.q_out = p.q.data_ptr<T>();
   P.k_out = p.k_hm.data_ptr<T>();
   P.a_out = p.a.data_ptr<T>();
-  P.ak_out = p.ak.data_ptr<T>();
   P.beta_out = p.beta_hm.data_ptr<T>();
   P.q_rnorm = ptr_or_null<T>(p.q_rnorm);
   P.k_rnorm = ptr_or_null<T>(p.k_rnorm);
@@ -192,7 +191,6 @@ Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for
   p.q = empty_output({d.H, BT, d.K}, opts);
   p.k_hm = empty_output({d.H, BT, d.K}, opts);
   p.a = empty_output({d.HV, BT, d.K}, opts);
-  p.ak = empty_output({d.HV, BT, d.K}, opts);
   p.beta_hm = empty_output({d.HV, BT}, opts);
   if (for_backward) {
     if (cfg.use_qk_l2norm_in_kernel) {
@@ -205,7 +203,7 @@ Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for
     }
   }
   // Full-size arrays of the backward's pre-processing: 2 MB pages (see advise_huge_pages).
-  for (const at::Tensor* t : {&p.q, &p.k_hm, &p.a, &p.ak, &p.g, &p.gate_s}) {
+  for (const at::Tensor* t : {&p.q, &p.k_hm, &p.a, &p.g, &p.gate_s}) {
     if (t->defined()) advise_huge_pages(*t);
   }
   FirstBad bad;
@@ -409,7 +407,10 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   const at::Tensor ws_q = empty_output({d.H, nb, d.K}, opts);
   const at::Tensor ws_k = empty_output({d.H, nb, d.K}, opts);
   const at::Tensor ws_a = empty_output({d.HV, nb, d.K}, opts);
-  const at::Tensor ws_ak = empty_output({d.HV, nb, d.K}, opts);
+  // a * khat only for the recurrent kernel (its fused read of the next token's state); the
+  // chunk kernel forms its decayed keys itself.
+  const bool need_ak = budget == BlockBudget::kRecurrent;
+  const at::Tensor ws_ak = need_ak ? empty_output({d.HV, nb, d.K}, opts) : at::Tensor();
   const at::Tensor ws_b = empty_output({d.HV, nb}, opts);
 
   kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, nb);
@@ -430,7 +431,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   P.q_out = ws_q.data_ptr<T>();
   P.k_out = ws_k.data_ptr<T>();
   P.a_out = ws_a.data_ptr<T>();
-  P.ak_out = ws_ak.data_ptr<T>();
+  P.ak_out = need_ak ? ws_ak.data_ptr<T>() : nullptr;
   P.beta_out = ws_b.data_ptr<T>();
 
   // This block's token range [rs, re) of every sequence, its rows in the workspace, the shifts.
@@ -449,7 +450,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   A.q = ws_q.data_ptr<T>();
   A.k = ws_k.data_ptr<T>();
   A.a = ws_a.data_ptr<T>();
-  A.ak = ws_ak.data_ptr<T>();
+  A.ak = P.ak_out;
   A.beta = ws_b.data_ptr<T>();
   A.v = v_c.data_ptr<T>();
   A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;

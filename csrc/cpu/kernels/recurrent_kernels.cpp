@@ -409,8 +409,9 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       const int64_t g0 = (ti * HV + hv) * K;
       const T* bias = P.dt_bias ? P.dt_bias + hv * K : nullptr;
       T* a = P.a_out + (hv * BT + to) * K;
-      T* ak = P.ak_out + (hv * BT + to) * K;
-      const T* kh = P.k_out + ((hv / (HV / H)) * BT + to) * K;  // khat of this value head's key
+      // a * khat (khat of this value head's key head), for the recurrent kernel only
+      T* ak = P.ak_out ? P.ak_out + (hv * BT + to) * K : nullptr;
+      const T* kh = P.k_out + ((hv / (HV / H)) * BT + to) * K;
       T* gout = P.g_out ? P.g_out + (to * HV + hv) * K : nullptr;
       T* sout = P.s_out ? P.s_out + (to * HV + hv) * K : nullptr;
       // exp(A_log) overflowed (A_log > log(max)): the bounded gate's sigmoid(inf * z) is its
@@ -467,7 +468,7 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
         vexp_n<kPrepVecs>(av);
         for (int c = 0; c < kPrepVecs; ++c) {
           store_cols(a + i + c * L, av[c], m[c]);
-          store_cols(ak + i + c * L, av[c] * load_cols(kh + i + c * L, m[c]), m[c]);
+          if (ak) store_cols(ak + i + c * L, av[c] * load_cols(kh + i + c * L, m[c]), m[c]);
         }
       }
     }

@@ -121,7 +121,7 @@ struct PrepArgs {
   T* q_out = nullptr;          // [H, BT, K]  scale * qhat
   T* k_out = nullptr;          // [H, BT, K]  khat
   T* a_out = nullptr;          // [HV, BT, K] exp(g)
-  T* ak_out = nullptr;         // [HV, BT, K] exp(g) * khat
+  T* ak_out = nullptr;         // [HV, BT, K] exp(g) * khat (null: not made)
   T* beta_out = nullptr;       // [HV, BT]
   // For the backward (may be null): 1/||.|| of q and k [BT, H], log decay and gate sigmoid
   // [BT, HV, K].

@@ -809,7 +809,7 @@ std::vector<at::Tensor> chunk_bwd_cpu(const at::Tensor& d_o,
   if (opts.dtype() == at::kDouble) {
     run_chunk_bwd<double>(s, kg, chunk::Products::kNative);
   } else {
-    run_chunk_bwd<float>(s, kg, chunk::choose_products(in.q.scalar_type(), d.K, d.V, cfg.op));
+    run_chunk_bwd<float>(s, kg, chunk::choose_bwd_products(in.q.scalar_type(), d.K, d.V, cfg.op));
   }
   return backward_finish(s, kg, in, cfg);
 }

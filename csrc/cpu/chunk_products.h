@@ -6,8 +6,8 @@
 // engines of server CPUs: AMX tiles through ATen's cpublas::brgemm (oneDNN) on VNNI-packed B
 // operands). The running state, U and the outputs stay fp32;
 // S, Vn, T and R are rounded to bf16 only as product operands (FLA's chunk kernels do the same).
-// fp32 / fp64 inputs always keep fp32 / fp64 products. The chunk backward (chunk_bwd.cpp) takes
-// bf16 products of the same kind under the same rule (choose_products).
+// fp32 / fp64 inputs always keep fp32 / fp64 products. The chunk backward (chunk_bwd.cpp) has
+// bf16 products of the same kind, which only the knob's bf16 turns on (choose_bwd_products).
 //
 // One knob, the environment variable TORCH_KDA_CHUNK_PRODUCTS, read at each call:
 //   auto (default)  bf16 products for 16-bit inputs where the CPU packs bf16 for the GEMM library
@@ -38,9 +38,14 @@ enum class Products {
   kBf16Emulated,  // the same numerics through the fp32 GEMM
 };
 
-// The products of a chunk forward or backward with inputs of dtype `input` and head sizes K, V (reads
+// The products of a chunk forward with inputs of dtype `input` and head sizes K, V (reads
 // TORCH_KDA_CHUNK_PRODUCTS; an unknown value raises c10::Error naming it; `op` prefixes it).
 Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op);
+
+// The products of the chunk backward (csrc/cpu/chunk_bwd.cpp): as choose_products, except that
+// auto keeps fp32 products there: its bf16 products run only when the knob says bf16 (they are
+// within FLA's gradient bar, but not yet measured faster on a CPU with AMX; docs/benchmarks.md).
+Products choose_bwd_products(at::ScalarType input, int64_t K, int64_t V, const char* op);
 
 // Per-thread operands of the bf16 state products, parts of a thread's workspace (carver.h), except qg and kdecT, which are per chunk (chunk::bind_results points
 // them into the forward's store of chunk results). A operands (bf16, row-major, zero past the

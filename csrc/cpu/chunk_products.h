@@ -43,8 +43,10 @@ enum class Products {
 Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op);
 
 // The products of the chunk backward (csrc/cpu/chunk_bwd.cpp): as choose_products, except that
-// auto keeps fp32 products there: its bf16 products run only when the knob says bf16 (they are
-// within FLA's gradient bar, but not yet measured faster on a CPU with AMX; docs/benchmarks.md).
+// auto keeps fp32 products there: its bf16 products run only when the knob says bf16. They made
+// the backward 1.2x faster on the 16-core AMX host, but with them the gradient of A_log (a long
+// sum with cancellation) reached 9.1e-3 relative to float64 on one GVA / V-first configuration,
+// over FLA's 0.008 bar (fp32 backward products: 5.3e-3 there); docs/benchmarks.md.
 Products choose_bwd_products(at::ScalarType input, int64_t K, int64_t V, const char* op);
 
 // Per-thread operands of the bf16 state products, parts of a thread's workspace (carver.h), except qg and kdecT, which are per chunk (chunk::bind_results points

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <numeric>
 #include <string>
@@ -97,6 +98,14 @@ bool check_shape(const char* op, const at::Tensor& t, const char* name, at::IntA
 
 }  // namespace
 
+// Whether x stays finite in the compute dtype of inputs of dtype `dt` (float64 for float64
+// inputs, float32 for the others): a scale of 1e300 is a finite double but infinite in float32,
+// where it made every output NaN.
+bool finite_in_compute(double x, at::ScalarType dt) {
+  if (!std::isfinite(x)) return false;
+  return dt == at::kDouble || std::abs(x) <= static_cast<double>(std::numeric_limits<float>::max());
+}
+
 bool check_inputs(const Inputs& in, const Config& cfg, bool check_values, bool probe, Dims& d) {
   const at::Tensor& q = in.q;
   const char* op = cfg.op;
@@ -139,7 +148,9 @@ bool check_inputs(const Inputs& in, const Config& cfg, bool check_values, bool p
     return false;
   }
 
-  KDA_RULE(VALUE, std::isfinite(cfg.scale), op, "scale must be finite, got ", cfg.scale);
+  KDA_RULE(VALUE, finite_in_compute(cfg.scale, q.scalar_type()), op,
+           "scale must be finite (in the compute dtype: float32 unless q is float64), got ",
+           cfg.scale);
   KDA_RULE(VALUE, !cfg.allow_neg_eigval || cfg.use_beta_sigmoid_in_kernel, op,
            "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True");
   KDA_RULE(VALUE, cfg.use_gate_in_kernel || (!in.A_log && !in.dt_bias), op,
@@ -148,8 +159,10 @@ bool check_inputs(const Inputs& in, const Config& cfg, bool check_values, bool p
            in.dt_bias ? "set" : "None");
   if (cfg.use_gate_in_kernel) {
     if (cfg.lower_bound) {
-      KDA_RULE(VALUE, std::isfinite(*cfg.lower_bound) && *cfg.lower_bound < 0.0, op,
-               "lower_bound must be a finite negative number, got ", *cfg.lower_bound);
+      KDA_RULE(VALUE, finite_in_compute(*cfg.lower_bound, q.scalar_type()) &&
+                          *cfg.lower_bound < 0.0,
+               op, "lower_bound must be a finite negative number (finite in the compute dtype: "
+               "float32 unless q is float64), got ", *cfg.lower_bound);
     } else {
       KDA_RULE(VALUE, in.A_log.has_value(), op,
                "use_gate_in_kernel=True without lower_bound (softplus gate) requires A_log, "
@@ -649,9 +662,9 @@ constexpr int64_t kRefused = -2;
 // The Python checks' rules beyond the ops' (check_kda_inputs, check_cu_seqlens): a lower_bound
 // is a finite negative number even without the in-op gate (where it is only a promise, see
 // fused_recurrent_kda), and cu_seqlens names at least one sequence.
-bool python_only_rules(std::optional<double> lower_bound,
+bool python_only_rules(std::optional<double> lower_bound, at::ScalarType dt,
                        const std::optional<at::Tensor>& cu_seqlens) {
-  if (lower_bound && !(std::isfinite(*lower_bound) && *lower_bound < 0.0)) return false;
+  if (lower_bound && !(finite_in_compute(*lower_bound, dt) && *lower_bound < 0.0)) return false;
   return !(cu_seqlens && cu_seqlens->defined() && cu_seqlens->numel() < 2);
 }
 
@@ -673,7 +686,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_fast(
                                  lower_bound, state_v_first);
   Dims d;
   if (!q.is_cpu() || !check_inputs(in, cfg, /*check_values=*/true, /*probe=*/true, d) ||
-      !python_only_rules(lower_bound, cu_seqlens)) {
+      !python_only_rules(lower_bound, q.scalar_type(), cu_seqlens)) {
     return refused;
   }
   const double s = scale ? *scale : python_default_scale(d.K);
@@ -1075,7 +1088,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_serving_fast(
       return refused;
     }
   }
-  if (!python_only_rules(lower_bound, cu_seqlens)) return refused;
+  if (!python_only_rules(lower_bound, q.scalar_type(), cu_seqlens)) return refused;
   const at::Tensor out_given = out && out->defined() ? *out : at::Tensor();
   Inputs in;
   Config cfg;

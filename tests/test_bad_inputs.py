@@ -62,6 +62,9 @@ PY_CASES = [
     ("lower-bound-value", dict(lower_bound=0.0), ValueError, ["lower_bound", "0.0"]),
     ("scale", dict(scale=math.inf), ValueError, ["scale must be finite", "inf"]),
     ("scale", dict(scale=math.nan), ValueError, ["scale must be finite", "nan"]),
+    # finite as a Python float, infinite in float32 (every output was NaN)
+    ("scale", dict(scale=1e300), ValueError, ["scale must be finite", "float32", "1e+300"]),
+    ("lower-bound-value", dict(lower_bound=-1e300), ValueError, ["lower_bound", "float32"]),
     ("scale", dict(scale=True), TypeError, ["scale"]),
     ("heads", _empty_dim(2, ("q", "k")), ValueError, ["H", "HV"]),
     # Zero-sized K, V or HV: the native op rejects them; the Python checks must too (a clean
@@ -144,6 +147,8 @@ OP_CASES = [
     ("state-dtype", lambda p: dict(initial_state=p.kwargs["initial_state"].int()),
      "initial_state must be a floating tensor"),
     ("lower-bound-value", lambda p: dict(lower_bound=math.nan), "lower_bound must be a finite negative number"),
+    ("lower-bound-value", lambda p: dict(lower_bound=-1e39), "float32 unless q is float64"),
+    ("scale-range", lambda p: dict(scale=-1e39), "scale must be finite"),
     ("cu-count", lambda p: dict(cu_seqlens=torch.tensor([], dtype=torch.long)), "1-D"),
     ("state-layout", lambda p: dict(state_v_first=True), "initial_state must have shape"),
     # A meta tensor among CPU tensors selects the op's Meta kernel (higher dispatch priority),

@@ -34,6 +34,7 @@ def _outside_graph(fn):
 
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _INT_DTYPES = (torch.int64, torch.int32)
 
 
@@ -115,25 +116,38 @@ def _require_device(name: str, x: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {x.device}")
 
 
-def check_scale(scale, K: int) -> float:
+def _finite_in_compute(x: float, dtype: Optional[torch.dtype]) -> bool:
+    """Whether x stays finite in the compute dtype of inputs of ``dtype`` (float64 for float64,
+    float32 for the others; None: only finite as a Python float)."""
+    if not math.isfinite(x):
+        return False
+    return dtype is None or dtype == torch.float64 or abs(x) <= _FLOAT32_MAX
+
+
+def check_scale(scale, K: int, dtype: Optional[torch.dtype] = None) -> float:
     """``scale`` as a float: None means ``K ** -0.5``; any real number (Python or NumPy scalar).
+
+    ``dtype``: the inputs' dtype; the scale must then also be finite in their compute dtype
+    (float32 unless float64: a scale of 1e300 would make every output NaN).
 
     Raises:
         TypeError: not a real number (a bool, a string, a tensor: a tensor scale would carry no
             gradient here and need a host sync, so pass ``float(scale)``).
-        ValueError: NaN or infinite.
+        ValueError: NaN or infinite, or beyond float32's range for non-float64 inputs.
     """
     if scale is None:
         return K ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         hint = "; pass float(scale)" if isinstance(scale, torch.Tensor) else ""
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}{hint}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
+    if not _finite_in_compute(float(scale), dtype):
+        raise ValueError(f"scale must be finite (in the compute dtype: float32 unless the inputs "
+                         f"are float64), got {scale!r}")
     return float(scale)
 
 
-def _check_lower_bound(lower_bound, safe_gate: bool) -> Optional[float]:
+def _check_lower_bound(lower_bound, safe_gate: bool,
+                       dtype: Optional[torch.dtype] = None) -> Optional[float]:
     if lower_bound is None:
         if safe_gate:
             raise ValueError("safe_gate=True requires lower_bound in [-5, 0), got lower_bound=None")
@@ -141,8 +155,9 @@ def _check_lower_bound(lower_bound, safe_gate: bool) -> Optional[float]:
     if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
         raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
     lb = float(lower_bound)
-    if not (math.isfinite(lb) and lb < 0):
-        raise ValueError(f"lower_bound must be a finite negative float, got {lb}")
+    if not (_finite_in_compute(lb, dtype) and lb < 0):
+        raise ValueError(f"lower_bound must be a finite negative float (finite in the compute "
+                         f"dtype: float32 unless the inputs are float64), got {lb}")
     if safe_gate and lb < -5:
         raise ValueError(f"safe_gate=True requires -5 <= lower_bound < 0, got lower_bound={lb}")
     return lb
@@ -176,7 +191,7 @@ def check_gate_args(g, A_log, dt_bias, lower_bound) -> None:
     _require_tensor("g", g)
     if g.dim() < 2:
         raise ValueError(f"g must have at least 2 dims [..., HV, K], got shape {tuple(g.shape)}")
-    _check_gate_params(g, A_log, dt_bias, _check_lower_bound(lower_bound, False))
+    _check_gate_params(g, A_log, dt_bias, _check_lower_bound(lower_bound, False, g.dtype))
 
 
 def check_cu_seqlens_values(values: List[int], T: int, name: str = "cu_seqlens") -> None:
@@ -322,9 +337,9 @@ def check_kda_inputs(
         for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
             _require_device(name, x, device)
 
-    scale = check_scale(scale, K)
+    scale = check_scale(scale, K, q.dtype)
     if lower_bound is not None or safe_gate:
-        lower_bound = _check_lower_bound(lower_bound, safe_gate)
+        lower_bound = _check_lower_bound(lower_bound, safe_gate, q.dtype)
     if use_gate_in_kernel:
         _check_gate_params(g, A_log, dt_bias, lower_bound)
     elif A_log is not None or dt_bias is not None:

@@ -100,7 +100,7 @@ def _check(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_st
     if H == 0 or D == 0:
         raise ValueError(f"q must have at least one head and a non-empty head dim, got shape {(B, T, H, D)}")
 
-    scale = check_scale(scale, D)  # the functional API's rule: TypeError for types, ValueError for NaN/inf
+    scale = check_scale(scale, D, q.dtype)  # the functional API's rule: TypeError for types, ValueError for NaN/inf
 
     _tensor("A_log", A_log, 1, _PARAM_DTYPES)
     if tuple(A_log.shape) != (H,):

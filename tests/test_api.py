@@ -168,3 +168,19 @@ def test_env_var_forces_reference_backend():
     env = dict(os.environ, TORCH_KDA_BACKEND="reference")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "reference"
+
+
+@pytest.mark.parametrize("fn", [torch_kda.fused_recurrent_kda, torch_kda.chunk_kda])
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_no_tokens_keeps_outputs_in_the_graph_on_every_backend(fn, backend):
+    # T = 0 computes nothing, but o and the final state stay in the autograd graph (zero, empty
+    # gradients) on every backend: the reference's were detached and loss.backward() raised there.
+    p = make_problem(B=2, T=0, H=1, HV=2, K=5, V=3, gate="none", initial_state=False, seed=5)
+    x = p.to(torch.float32, requires_grad=True)
+    o, s = fn(*x.args, **x.kwargs, backend=backend)
+    (o.sum() + s.sum()).backward()
+    assert torch.equal(s, torch.zeros(2, 2, 5, 3))
+    for name, t in x.tensors().items():
+        assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any(), name
+    s_only = fn(*x.args, **x.kwargs, backend=backend)[1]
+    s_only.sum().backward()  # the state alone too

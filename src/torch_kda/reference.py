@@ -204,9 +204,22 @@ def _run(x: KDAInputs, scan) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
             states.append(S_i)
         o = torch.cat(outs, dim=1) if outs else v.new_zeros(v.shape)
         S = torch.cat(states, dim=0) if states else S0
+    if x.T == 0:
+        o, S = _tie_to_tokens(o, (q, k, v, g, beta)), _tie_to_tokens(S, (q, k, v, g, beta))
     if not x.output_final_state:
         return o.to(x.q.dtype), None
     return o.to(x.q.dtype), (S.transpose(-1, -2) if x.state_v_first else S).contiguous()
+
+
+def _tie_to_tokens(t: torch.Tensor, token_inputs) -> torch.Tensor:
+    """Without tokens (T = 0) nothing is computed, but the outputs must stay in the autograd
+    graph of the inputs, as the native op's do (zero gradients), so that ``loss.backward()``
+    behaves the same on every backend: ``t`` plus 0 times the (empty, so exactly 0) sums of the
+    per-token inputs that require grad; ``t`` itself when it already does or none does."""
+    tied = [x.sum() for x in token_inputs if x.requires_grad]
+    if t.requires_grad or not tied:
+        return t
+    return t + 0 * torch.stack(tied).sum().to(t.dtype)
 
 
 def _scan_for(method: str, chunk_size: int):

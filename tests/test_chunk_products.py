@@ -241,7 +241,8 @@ def test_head_sizes_off_16_keep_fp32_products(monkeypatch):
 
 
 def test_unknown_knob_value_names_the_variable(monkeypatch):
+    # a ValueError, as every bad value the ops refuse (docs/bad_inputs.md)
     p = make_problem(B=1, T=10, H=1, K=16, V=16, seed=8).to(torch.bfloat16)
-    with pytest.raises(RuntimeError, match=f"kda::chunk: {KNOB} must be auto, fp32 or bf16, "
+    with pytest.raises(ValueError, match=f"kda::chunk: {KNOB} must be auto, fp32 or bf16, "
                                            "got 'fast'"):
         chunk(p, "fast", monkeypatch)

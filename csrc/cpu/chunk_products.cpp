@@ -27,7 +27,7 @@ constexpr int64_t kBlockN = 64;
 std::string products_knob(const char* op) {
   const char* env = std::getenv("TORCH_KDA_CHUNK_PRODUCTS");
   const std::string knob = env && *env ? env : "auto";
-  KDA_CHECK(knob == "auto" || knob == "fp32" || knob == "bf16", op,
+  KDA_CHECK_VALUE(knob == "auto" || knob == "fp32" || knob == "bf16", op,
               "TORCH_KDA_CHUNK_PRODUCTS must be auto, fp32 or bf16, got '", knob, "'");
   return knob;
 }

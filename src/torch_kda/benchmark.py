@@ -550,6 +550,10 @@ def format_table(results: List[dict]) -> str:
                             line.append(cell(get[b], lambda r: ""))
                     out.append("| " + " | ".join(line) + " |")
             out.append("")
+    if any(r.get("pct_gemm", 0) > 100 for r in timed):
+        out.append("(A \"% GEMM\" above 100%: this CPU's `torch.mm` runs well below its FMA peak, "
+                   "so it is no ceiling here; docs/benchmarks.md, \"The 2-core Zen 5 box, session 9\".)")
+        out.append("")
     dec = [r for r in timed if r["decode"]]
     if dec:
         out.append("**decoding** (T = 1, state in and out, forward): median latency per call, µs")

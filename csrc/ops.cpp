@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/env_knob.h"
 #include "cpu/kda_cpu.h"
 #include "cpu/kernels/recurrent_kernels.h"
 #include "cpu/output_cache.h"
@@ -304,8 +305,7 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent_cpu(KDA_OP_ARGS) {
     const Dims d = check_inputs(in, cfg, /*check_values=*/true);
     // TORCH_KDA_DECODE_KERNEL=recurrent keeps decode calls on the general recurrent kernels
     // (benchmarks compare the two paths side by side; tests check they agree).
-    const char* forced = std::getenv("TORCH_KDA_DECODE_KERNEL");
-    const bool general = forced != nullptr && std::string(forced) == "recurrent";
+    const bool general = env_knob("TORCH_KDA_DECODE_KERNEL", {"recurrent"}) != nullptr;
     if (!general && is_decode_call(in, d)) {
       check_domain(in, cfg, d);  // the serving kernels pre-process inside their units
       // o and the fresh final state reuse freed blocks of earlier calls (csrc/cpu/output_cache.h):

@@ -234,3 +234,39 @@ def test_python_api_names_the_first_error_of_several(changes, exc, words, backen
     for fn in (torch_kda.fused_recurrent_kda, torch_kda.chunk_kda):
         with pytest.raises(exc, match=re.escape(words)):
             fn(**_call(**changes), backend=backend)
+
+
+# ---- the environment knobs of the native ops (csrc/cpu/env_knob.h) -----------------------------
+
+@needs_native
+@pytest.mark.parametrize("knob,value", [("TORCH_KDA_DECODE_KERNEL", "Recurrent"),
+                                        ("TORCH_KDA_DECODE_STREAM", "yes")])
+def test_unknown_decode_knob_value_warns_and_is_ignored(knob, value, monkeypatch, capfd):
+    # A typo must not silently pick another path: it warns and counts as unset (same result).
+    # (A warning of an op called through torch.ops goes to stderr. K = V = 16: the final state's
+    # rows fill whole vectors, where the stream knob is read.)
+    p = _op_problem(T=1, K=16, V=16).to(torch.float32)
+    o_unset, s_unset = torch.ops.kda.fused_recurrent(*_op_args(p))
+    capfd.readouterr()
+    monkeypatch.setenv(knob, value)
+    o, s = torch.ops.kda.fused_recurrent(*_op_args(p))
+    assert re.search(rf"{knob}={value} is not one of .*; ignored", capfd.readouterr().err)
+    assert torch.equal(o, o_unset) and torch.equal(s, s_unset)
+
+
+@needs_native
+def test_unknown_isa_knob_value_warns_and_is_ignored():
+    # The instruction set is chosen once per process: a fresh one, with a wrong case.
+    import subprocess
+    import sys
+    code = ("import warnings, torch, torch_kda\n"
+            "warnings.simplefilter('always')\n"
+            "q = torch.randn(1, 3, 1, 16); g = -torch.rand(1, 3, 1, 16)\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    torch_kda.fused_recurrent_kda(q, q, q, g, torch.rand(1, 3, 1), backend='native')\n"
+            "print([str(x.message) for x in w if 'TORCH_KDA_ISA' in str(x.message)])\n")
+    env = dict(__import__("os").environ, TORCH_KDA_ISA="AVX512")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "TORCH_KDA_ISA=AVX512 is not one of generic, avx2, avx512; ignored" in out.stdout + out.stderr

@@ -1,4 +1,5 @@
 // Run-time choice of the instruction set for the recurrence kernels (see cmake/KdaKernels.cmake).
+#include "cpu/env_knob.h"
 #include "cpu/kernels/recurrent_kernels.h"
 
 #include <cstdlib>
@@ -10,7 +11,7 @@ namespace kernels {
 namespace {
 const Table& choose() {
   // TORCH_KDA_ISA=generic|avx2|avx512 lowers the choice (for testing); never raises it.
-  const char* forced = std::getenv("TORCH_KDA_ISA");
+  const char* forced = detail::env_knob("TORCH_KDA_ISA", {"generic", "avx2", "avx512"});
   auto allowed = [&](const char* name) { return forced == nullptr || std::strcmp(forced, name) == 0; };
 #if defined(KDA_HAVE_X86_ISAS)
   __builtin_cpu_init();

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <string>
 
+#include "cpu/env_knob.h"
 #include "cpu/kernels/serving_kernels.h"
 
 namespace kda {
@@ -88,9 +89,7 @@ bool stream_final_state(const Config& cfg, const Dims& d, const ServingPlan& pla
   if (src.defined() && dst.is_alias_of(src)) return false;  // the pool in place: keep it cached
   const int64_t row = cfg.state_v_first ? d.K : d.V;
   if (row % 16 != 0 || reinterpret_cast<uintptr_t>(dst.data_ptr()) % 64 != 0) return false;
-  const char* forced = std::getenv("TORCH_KDA_DECODE_STREAM");
-  if (forced != nullptr && std::string(forced) == "0") return false;
-  if (forced != nullptr && std::string(forced) == "1") return true;
+  if (const char* forced = env_knob("TORCH_KDA_DECODE_STREAM", {"0", "1"})) return *forced == '1';
   constexpr int64_t kMaxCached = int64_t(48) << 20;
   return 2 * static_cast<int64_t>(dst.nbytes()) > std::min(llc_bytes(), kMaxCached);
 }

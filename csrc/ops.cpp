@@ -97,15 +97,16 @@ bool check_shape(const char* op, const at::Tensor& t, const char* name, at::IntA
   return true;
 }
 
-}  // namespace
-
-// Whether x stays finite in the compute dtype of inputs of dtype `dt` (float64 for float64
-// inputs, float32 for the others): a scale of 1e300 is a finite double but infinite in float32,
+// Whether x stays finite in the compute dtype of the inputs q (compute_dtype: float64 for
+// float64, float32 for the others): a scale of 1e300 is a finite double but infinite in float32,
 // where it made every output NaN.
-bool finite_in_compute(double x, at::ScalarType dt) {
+bool finite_in_compute(double x, const at::Tensor& q) {
   if (!std::isfinite(x)) return false;
-  return dt == at::kDouble || std::abs(x) <= static_cast<double>(std::numeric_limits<float>::max());
+  return compute_dtype(q) == at::kDouble ||
+         std::abs(x) <= static_cast<double>(std::numeric_limits<float>::max());
 }
+
+}  // namespace
 
 bool check_inputs(const Inputs& in, const Config& cfg, bool check_values, bool probe, Dims& d) {
   const at::Tensor& q = in.q;
@@ -149,7 +150,7 @@ bool check_inputs(const Inputs& in, const Config& cfg, bool check_values, bool p
     return false;
   }
 
-  KDA_RULE(VALUE, finite_in_compute(cfg.scale, q.scalar_type()), op,
+  KDA_RULE(VALUE, finite_in_compute(cfg.scale, q), op,
            "scale must be finite (in the compute dtype: float32 unless q is float64), got ",
            cfg.scale);
   KDA_RULE(VALUE, !cfg.allow_neg_eigval || cfg.use_beta_sigmoid_in_kernel, op,
@@ -160,7 +161,7 @@ bool check_inputs(const Inputs& in, const Config& cfg, bool check_values, bool p
            in.dt_bias ? "set" : "None");
   if (cfg.use_gate_in_kernel) {
     if (cfg.lower_bound) {
-      KDA_RULE(VALUE, finite_in_compute(*cfg.lower_bound, q.scalar_type()) &&
+      KDA_RULE(VALUE, finite_in_compute(*cfg.lower_bound, q) &&
                           *cfg.lower_bound < 0.0,
                op, "lower_bound must be a finite negative number (finite in the compute dtype: "
                "float32 unless q is float64), got ", *cfg.lower_bound);
@@ -662,9 +663,9 @@ constexpr int64_t kRefused = -2;
 // The Python checks' rules beyond the ops' (check_kda_inputs, check_cu_seqlens): a lower_bound
 // is a finite negative number even without the in-op gate (where it is only a promise, see
 // fused_recurrent_kda), and cu_seqlens names at least one sequence.
-bool python_only_rules(std::optional<double> lower_bound, at::ScalarType dt,
+bool python_only_rules(std::optional<double> lower_bound, const at::Tensor& q,
                        const std::optional<at::Tensor>& cu_seqlens) {
-  if (lower_bound && !(finite_in_compute(*lower_bound, dt) && *lower_bound < 0.0)) return false;
+  if (lower_bound && !(finite_in_compute(*lower_bound, q) && *lower_bound < 0.0)) return false;
   return !(cu_seqlens && cu_seqlens->defined() && cu_seqlens->numel() < 2);
 }
 
@@ -686,7 +687,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_fast(
                                  lower_bound, state_v_first);
   Dims d;
   if (!q.is_cpu() || !check_inputs(in, cfg, /*check_values=*/true, /*probe=*/true, d) ||
-      !python_only_rules(lower_bound, q.scalar_type(), cu_seqlens)) {
+      !python_only_rules(lower_bound, q, cu_seqlens)) {
     return refused;
   }
   const double s = scale ? *scale : python_default_scale(d.K);
@@ -1088,7 +1089,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_serving_fast(
       return refused;
     }
   }
-  if (!python_only_rules(lower_bound, q.scalar_type(), cu_seqlens)) return refused;
+  if (!python_only_rules(lower_bound, q, cu_seqlens)) return refused;
   const at::Tensor out_given = out && out->defined() ? *out : at::Tensor();
   Inputs in;
   Config cfg;

@@ -75,7 +75,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
     return w;
   };
 
-  run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, BlockBudget::kChunk,
+  run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, BlockKernel::kChunk,
                      [&](const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
                          const std::vector<int64_t>& re, int64_t j) {
     // The chunks of sequence n in this block start at cs[n][k] (the last one ends at re[n]);

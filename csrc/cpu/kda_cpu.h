@@ -197,14 +197,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_forward(const Inputs& in, con
 // block's pre-processed rows (sequence n's token t at row t - A.seqs.shift[n]; v and o at
 // t - A.seqs.vo_shift[n] when those are non-null), A.ht holds each sequence's running state
 // between blocks (a block with rs[n] == seqs.start[n] starts from h0 instead), and the block's
-// o rows written to A.o are converted into o afterwards; `budget` sizes the blocks. An empty
-// sequence appears in block 0 with rs == re.
-// How run_fwd_blocked sizes its token blocks (recurrent_fwd.cpp, plan_blocks, says why).
-enum class BlockBudget {
-  kRecurrent,  // 8 MB of rows, 2 MB more per thread beyond 4 threads: only for a run_block whose
-               // results do not depend on where blocks start (the recurrent kernels)
+// o rows written to A.o are converted into o afterwards; `kernel` sizes the blocks and decides
+// which rows they hold. An empty sequence appears in block 0 with rs == re.
+// The kernel that run_fwd_blocked's blocks feed (recurrent_fwd.cpp, plan_blocks, says why the sizes):
+enum class BlockKernel {
+  kRecurrent,  // 8 MB of rows, 2 MB more per thread beyond 4 threads (its results do not depend
+               // on where blocks start); the rows include a * khat (A.ak), its next token's read
   kChunk,      // 2 MB of rows, at least 4 chunks of each sequence: the shapes only (the chunk
-               // forward's last bits depend on where blocks cut packed sequences)
+               // forward's last bits depend on where blocks cut packed sequences); no A.ak
 };
 template <typename T>
 using BlockRunner = std::function<void(const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
@@ -212,7 +212,7 @@ using BlockRunner = std::function<void(const kernels::FwdArgs<T>& A, const std::
 template <typename T>
 void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
                      const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
-                     const at::Tensor& ckpt, BlockBudget budget,
+                     const at::Tensor& ckpt, BlockKernel kernel,
                      const BlockRunner<T>& run_block);
 
 // CPU chunkwise forward (csrc/cpu/chunk_fwd.cpp): the contract of recurrent_fwd_cpu (the same

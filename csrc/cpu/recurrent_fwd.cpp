@@ -302,7 +302,7 @@ namespace {
 // the pre-processing wrote it, and with 8 MB those first reads missed L2 (B1 T8K H4 bf16, 1 thread,
 // Zen 5 box: chunk forward 42.6-43.0 -> 36.7-38.6 ms; the recurrent kernels gain nothing from
 // smaller blocks: 32.4 ms with 1 MB against 32.5 ms with 8 MB). For the recurrent kernels
-// (BlockBudget::kRecurrent) the workspace grows by 2 MB per thread beyond 4 threads: each block
+// (BlockKernel::kRecurrent) the workspace grows by 2 MB per thread beyond 4 threads: each block
 // costs two parallel regions (the pre-processing pass, then the units), and on the 16-core host
 // 64-token blocks (H32) spent more in those barriers than the smaller workspace saved (H32 at 16
 // threads 117-161K -> 160-170K tokens/s with 32 MB; at 1 thread on the 2-core box 32 MB ran 5-10%
@@ -318,11 +318,11 @@ struct BlockPlan {
 
 constexpr int64_t kMinChunksPerBlock = 4;
 
-BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt, BlockBudget budget) {
+BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt, BlockKernel kernel) {
   const int64_t per_token =
       std::max<int64_t>(1, ((2 * d.H + 2 * d.HV) * d.K + d.HV) * static_cast<int64_t>(elt));
   int64_t tb;
-  if (budget == BlockBudget::kRecurrent) {
+  if (kernel == BlockKernel::kRecurrent) {
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
     tb = (std::max<int64_t>(8, 2 * threads) << 20) / per_token;
   } else {
@@ -354,12 +354,12 @@ BlockPlan plan_blocks(const Dims& d, const Sequences& s, size_t elt, BlockBudget
 template <typename T>
 void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
                      const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
-                     const at::Tensor& ckpt, BlockBudget budget,
+                     const at::Tensor& ckpt, BlockKernel kernel,
                      const BlockRunner<T>& run_block) {
   const auto ct = compute_dtype(in.q);
   const auto opts = in.q.options().dtype(ct);
   const int64_t BT = d.B * d.T;
-  const BlockPlan plan = plan_blocks(d, seqs, sizeof(T), budget);
+  const BlockPlan plan = plan_blocks(d, seqs, sizeof(T), kernel);
   const int64_t nb = plan.nb;
   // bf16 / fp16 inputs of an fp32 computation are read as they are by the pre-processing pass,
   // which widens them in registers (half the bytes, no conversion pass; v is widened into the
@@ -409,7 +409,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   const at::Tensor ws_a = empty_output({d.HV, nb, d.K}, opts);
   // a * khat only for the recurrent kernel (its fused read of the next token's state); the
   // chunk kernel forms its decayed keys itself.
-  const bool need_ak = budget == BlockBudget::kRecurrent;
+  const bool need_ak = kernel == BlockKernel::kRecurrent;
   const at::Tensor ws_ak = need_ak ? empty_output({d.HV, nb, d.K}, opts) : at::Tensor();
   const at::Tensor ws_b = empty_output({d.HV, nb}, opts);
 
@@ -494,10 +494,10 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
 }
 template void run_fwd_blocked<float>(const Inputs&, const Config&, const Dims&, const Sequences&,
                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     const at::Tensor&, BlockBudget, const BlockRunner<float>&);
+                                     const at::Tensor&, BlockKernel, const BlockRunner<float>&);
 template void run_fwd_blocked<double>(const Inputs&, const Config&, const Dims&, const Sequences&,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, BlockBudget, const BlockRunner<double>&);
+                                      const at::Tensor&, BlockKernel, const BlockRunner<double>&);
 
 namespace {
 
@@ -530,7 +530,7 @@ void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Seq
   const int64_t ws_stride = kernels::fwd_scratch_elems(d.K, n_slices);
   const at::Tensor thread_ws = at::empty({threads * ws_stride}, in.q.options().dtype(compute_dtype(in.q)));
   T* const ws0 = thread_ws.data_ptr<T>();
-  run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, BlockBudget::kRecurrent,
+  run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, BlockKernel::kRecurrent,
                      [&](const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
                          const std::vector<int64_t>& re, int64_t j) {
     // An empty sequence still runs once (in block 0), so its final state is its initial state.

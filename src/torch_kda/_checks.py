@@ -116,19 +116,16 @@ def _require_device(name: str, x: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {x.device}")
 
 
-def _finite_in_compute(x: float, dtype: Optional[torch.dtype]) -> bool:
+def _finite_in_compute(x: float, dtype: torch.dtype) -> bool:
     """Whether x stays finite in the compute dtype of inputs of ``dtype`` (float64 for float64,
-    float32 for the others; None: only finite as a Python float)."""
-    if not math.isfinite(x):
-        return False
-    return dtype is None or dtype == torch.float64 or abs(x) <= _FLOAT32_MAX
+    float32 for the others)."""
+    return math.isfinite(x) and (dtype == torch.float64 or abs(x) <= _FLOAT32_MAX)
 
 
-def check_scale(scale, K: int, dtype: Optional[torch.dtype] = None) -> float:
-    """``scale`` as a float: None means ``K ** -0.5``; any real number (Python or NumPy scalar).
-
-    ``dtype``: the inputs' dtype; the scale must then also be finite in their compute dtype
-    (float32 unless float64: a scale of 1e300 would make every output NaN).
+def check_scale(scale, K: int, dtype: torch.dtype) -> float:
+    """``scale`` as a float: None means ``K ** -0.5``; any real number (Python or NumPy scalar),
+    finite in the compute dtype of inputs of ``dtype`` (float32 unless float64: a scale of 1e300
+    would make every output NaN).
 
     Raises:
         TypeError: not a real number (a bool, a string, a tensor: a tensor scale would carry no
@@ -146,8 +143,7 @@ def check_scale(scale, K: int, dtype: Optional[torch.dtype] = None) -> float:
     return float(scale)
 
 
-def _check_lower_bound(lower_bound, safe_gate: bool,
-                       dtype: Optional[torch.dtype] = None) -> Optional[float]:
+def _check_lower_bound(lower_bound, safe_gate: bool, dtype: torch.dtype) -> Optional[float]:
     if lower_bound is None:
         if safe_gate:
             raise ValueError("safe_gate=True requires lower_bound in [-5, 0), got lower_bound=None")

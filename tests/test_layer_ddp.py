@@ -48,6 +48,11 @@ def _worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
                    os.path.join(result_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # Done: leave without the interpreter's teardown. With torch 2.13's gloo a worker aborted
+    # there about every other run ("terminate called without an active exception", SIGABRT after
+    # destroy_process_group), a plain nn.Linear under DDP as often as this layer: torch's, not
+    # ours. An exception above still propagates and fails the test.
+    os._exit(0)
 
 
 def test_layer_trains_under_ddp_gloo_two_processes():

@@ -16,6 +16,7 @@ import itertools
 import pytest
 import torch
 
+import torch_kda
 from kda_testing import (GATES, assert_compiled_grads_match, grads, make_problem, op_args,
                          per_thread_count, rel_err)
 from oracle import oracle_kda
@@ -278,6 +279,57 @@ def test_chunks_across_token_blocks(seqlens):
     p32 = p.to(torch.float32)
     oc, sc = chunk(p32)
     assert rel_err(oc, orr) <= 1e-5 and rel_err(sc, sr) <= 1e-5
+
+
+@pytest.mark.parametrize("seqlens", [None, (300, 0, 37, 93)], ids=["batch", "varlen"])
+def test_chunks_pre_process_every_input_storage_across_token_blocks(seqlens, monkeypatch):
+    # Each chunk pre-processes its own rows of one head (csrc/cpu/chunk_fwd.cpp): 16-bit inputs
+    # are widened as they are read (v into the chunk's rows), fp32 inputs of a float64 call are
+    # converted block by block first. Both exact: with fp32 products on both sides the results
+    # equal those of the same values in fp32 / float64, bit for bit.
+    monkeypatch.setenv("TORCH_KDA_CHUNK_PRODUCTS", "fp32")
+    p = make_problem(B=2, T=300, H=8, HV=16, K=130, V=6, seqlens=seqlens, gate="softplus", seed=9)
+    args = dict(zip(("q", "k", "v", "g", "beta"), p.args), **p.kwargs)
+    side = {n: x.float() for n, x in args.items()
+            if n in ("initial_state", "A_log", "dt_bias")}
+    mixed = dict(args, q=args["q"].bfloat16(), k=args["k"].bfloat16(), v=args["v"].bfloat16(),
+                 g=args["g"].half(), beta=args["beta"].float(), **side)
+    same = {n: (x.float() if torch.is_tensor(x) and x.is_floating_point() else x)
+            for n, x in mixed.items()}
+    o, s = torch_kda.chunk_kda(**mixed, backend="native")
+    o32, s32 = torch_kda.chunk_kda(**same, backend="native")
+    assert o.dtype == torch.bfloat16
+    assert torch.equal(o, o32.bfloat16()) and torch.equal(s, s32)
+    o_ref, _ = reference.fused_recurrent_kda(**{n: (x.double() if torch.is_tensor(x) and
+                                                    x.is_floating_point() else x)
+                                                 for n, x in same.items()})
+    assert rel_err(o32, o_ref) < 1e-5
+    # float64 q, k, v with fp32 g and beta: converted per block, equal to all-float64 inputs
+    p64 = dict(args, g=args["g"].float(), beta=args["beta"].float())
+    o64, s64 = torch_kda.chunk_kda(**p64, backend="native")
+    o_all, s_all = torch_kda.chunk_kda(**dict(p64, g=p64["g"].double(),
+                                              beta=p64["beta"].double()), backend="native")
+    assert torch.equal(o64, o_all) and torch.equal(s64, s_all)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_first_value_outside_the_domain_is_named_as_the_recurrent_op_names_it(dtype):
+    # The chunks' own pre-processing finds offenders head by head, in any order: the op names
+    # the smallest index of the block (token first, then head), as the recurrent op does.
+    p = make_problem(B=1, T=300, H=2, HV=4, K=16, V=8, gate="none", beta_sigmoid=False, seed=15)
+    args = dict(zip(("q", "k", "v", "g", "beta"), p.to(dtype).args), **p.to(dtype).kwargs)
+    g = args["g"].clone()
+    g[0, 260, 0, 1] = 0.25
+    g[0, 250, 3, 7] = 0.5
+    g[0, 250, 2, 9] = 0.75
+    beta = args["beta"].clone()
+    beta[0, 199, 3] = 3.0
+    beta[0, 150, 1] = -1.0
+    for fn in (torch_kda.chunk_kda, torch_kda.fused_recurrent_kda):
+        with pytest.raises(ValueError, match=r"g\[0, 250, 2, 9\] = 0\.75"):
+            fn(**dict(args, g=g), backend="native")
+        with pytest.raises(ValueError, match=r"beta\[0, 150, 1\] = -1"):
+            fn(**dict(args, beta=beta), backend="native")
 
 
 def test_auto_rule_follows_the_measured_table(monkeypatch):

@@ -3,8 +3,8 @@
 // Math: docs/math.md, "Chunkwise form" (the native chunk kernel).
 //
 // One chunk of n <= kChunk tokens of one (sequence, value head) is processed at a time, on rows
-// of the pre-processed arrays (scale * qhat, khat, a = exp(g), beta, v: the token block of
-// run_fwd_blocked in the forward, detail::preprocess in the backward) and
+// of the pre-processed inputs (scale * qhat, khat, a = exp(g), beta, v: the chunk's own rows,
+// pre-processed just before, in the forward; detail::preprocess's arrays in the backward) and
 // a per-thread workspace (ChunkWork). Matrix products go through one GEMM wrapper (chunk::gemm:
 // ATen's cpublas::brgemm for float, a plain loop for double); the rest is short loops over the
 // K or V channels.

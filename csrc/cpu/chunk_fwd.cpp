@@ -1,8 +1,9 @@
-// CPU forward of the chunkwise KDA (docs/math.md, "Chunkwise form"): the token blocks and the
-// pre-processing of the recurrent forward (run_fwd_blocked), and in each block the chunks of
-// kChunk tokens of every (sequence, value head) unit through the shared pieces of
-// csrc/cpu/chunk_common.h: in waves, the state-independent part (chunk_intra) of all the wave's
-// chunks in parallel, then each unit's state steps in chunk order.
+// CPU forward of the chunkwise KDA (docs/math.md, "Chunkwise form"): the token blocks of the
+// recurrent forward (run_fwd_blocked), and in each block the chunks of kChunk tokens of every
+// (sequence, value head) unit through the shared pieces of csrc/cpu/chunk_common.h: in waves,
+// the state-independent part of all the wave's chunks in parallel (each chunk pre-processes its
+// own rows of one head with the recurrent forward's pass, then chunk_intra), then each unit's
+// state steps in chunk order.
 //
 // Chunks start at origin + c * kChunk (as the recurrent forward's checkpoints: a sequence of a
 // varlen batch that starts inside a chunk has a shorter first chunk), so the checkpoints
@@ -23,6 +24,68 @@ namespace detail {
 
 namespace {
 
+// One chunk's pre-processed rows of one head (a thread's, reused by each of its chunks): the
+// ChunkIn arrays, and v widened from 16 bits (else the chunk reads the caller's v).
+template <typename T>
+struct ChunkRows {
+  T *q, *k, *a, *beta, *v;
+  ChunkRows(Carver& c, int64_t K, int64_t V)
+      : q(c.take<T>(chunk::kC * K)),
+        k(c.take<T>(chunk::kC * K)),
+        a(c.take<T>(chunk::kC * K)),
+        beta(c.take<T>(chunk::kC)),
+        v(c.take<T>(chunk::kC * V)) {}
+};
+
+template <typename U>
+U* at_offset(U* p, int64_t off) {
+  return p ? p + off : p;
+}
+
+// Pre-processes tokens [t0, t1) (at most kChunk) of sequence n for key head h and value head hv
+// into rows (prep_tokens on a view of those heads: the pass reads only their columns), and
+// keeps in bad what it found outside the domain, numbered as the whole pass numbers it.
+template <typename T>
+void prep_chunk_rows(const BlockPrep<T>& bp, const Dims& d, const kernels::SeqInfo& seqs,
+                     int64_t n, int64_t h, int64_t hv, int64_t t0, int64_t t1,
+                     const ChunkRows<T>& rows, FirstBad& bad) {
+  const int64_t K = d.K, V = d.V, HV = d.HV;
+  kernels::PrepArgs<T> P = bp.P;
+  P.q_ld = d.H * K;
+  P.g_ld = HV * K;
+  P.beta_ld = HV;
+  P.v_ld = HV * V;
+  P.H = 1;
+  P.HV = 1;
+  P.VW = V;
+  P.q = at_offset(P.q, h * K);
+  P.k = at_offset(P.k, h * K);
+  P.q16 = at_offset(P.q16, h * K);
+  P.k16 = at_offset(P.k16, h * K);
+  P.g = at_offset(P.g, hv * K);
+  P.g16 = at_offset(P.g16, hv * K);
+  P.beta = at_offset(P.beta, hv);
+  P.beta16 = at_offset(P.beta16, hv);
+  P.v16 = at_offset(P.v16, hv * V);
+  P.expA = at_offset(P.expA, hv);
+  P.dt_bias = at_offset(P.dt_bias, hv * K);
+  P.BT = chunk::kC;
+  P.out_shift = t0;
+  P.in_shift = bp.shifted_inputs ? seqs.shift[n] : 0;
+  P.q_out = rows.q;
+  P.k_out = rows.k;
+  P.a_out = rows.a;
+  P.ak_out = nullptr;
+  P.beta_out = rows.beta;
+  P.v_out = P.v16 ? rows.v : nullptr;
+  kernels::PrepReport r = prep_kernel<T>()(P, t0, t1);
+  // The view numbers g's entries t * K + i and beta's t; the whole pass, t * HV * K + hv * K + i
+  // and t * HV + hv.
+  if (r.bad_g >= 0) r.bad_g = (r.bad_g / K * HV + hv) * K + r.bad_g % K;
+  if (r.bad_beta >= 0) r.bad_beta = r.bad_beta * HV + hv;
+  bad.add(r);
+}
+
 template <typename T>
 void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
                 const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,
@@ -41,6 +104,8 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   };
   Carver sizer(nullptr);  // carves no memory: the parts stay null, only the sizes count
   chunk::ChunkWork<T> sized = thread_work(sizer);
+  const int64_t rows_at = sizer.bytes();  // then the thread's ChunkRows
+  ChunkRows<T>(sizer, K, V);
   const int64_t work = sizer.bytes();
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const at::Tensor ws = at::empty({threads * work + 64}, ht.options().dtype(at::kByte));
@@ -65,19 +130,26 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   const T* s0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
   constexpr int64_t C = chunk::kC;
 
-  // A thread's workspace, with the results of item `item` of the wave.
+  // A thread's workspace, with the results of item `item` of the wave; the thread's rows.
+  auto thread_ws = [&]() {
+    return ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * work;
+  };
   auto workspace = [&](int64_t item) {
-    const int64_t tid = std::min<int64_t>(at::get_thread_num(), threads - 1);
-    Carver c(ws0 + tid * work);
+    Carver c(thread_ws());
     chunk::ChunkWork<T> w = thread_work(c);
     Carver results(store0 + item * item_bytes);
     chunk::bind_results(w, results, K, V, bf16);
     return w;
   };
+  auto thread_rows = [&]() {
+    Carver c(thread_ws() + rows_at);
+    return ChunkRows<T>(c, K, V);
+  };
 
   run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, BlockKernel::kChunk,
-                     [&](const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
-                         const std::vector<int64_t>& re, int64_t j) {
+                     [&](const kernels::FwdArgs<T>& A, const BlockPrep<T>& bp,
+                         const std::vector<int64_t>& rs, const std::vector<int64_t>& re,
+                         int64_t j) {
     // The chunks of sequence n in this block start at cs[n][k] (the last one ends at re[n]);
     // they start at origin + c * kChunk (a sequence starting inside a chunk has a shorter first
     // one), so the checkpoints are those of the recurrent forward.
@@ -88,24 +160,33 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
         t0 = std::min(re[n], seqs.origin[n] + ((t0 - seqs.origin[n]) / C + 1) * C);
       }
     }
-    auto chunk_in = [&](int64_t n, int64_t hv, int64_t k) {
+    // Chunk k of unit (n, hv): its length, and (with rows) its inputs, pre-processed into rows
+    // (the state steps read only chunk_intra's results).
+    auto chunk_in = [&](int64_t n, int64_t hv, int64_t k, const ChunkRows<T>* rows,
+                        FirstBad* bad) {
       const int64_t t0 = cs[n][k];
       const int64_t t1 = k + 1 < int64_t(cs[n].size()) ? cs[n][k + 1] : re[n];
-      const int64_t h = hv / (HV / H);
-      const int64_t sh = A.seqs.shift ? A.seqs.shift[n] : 0;
-      const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
       chunk::ChunkIn<T> ci;
       ci.n = t1 - t0;
       ci.K = K;
       ci.V = V;
-      ci.q = A.q + (h * A.BT + t0 - sh) * K;
-      ci.k = A.k + (h * A.BT + t0 - sh) * K;
-      ci.a = A.a + (hv * A.BT + t0 - sh) * K;
-      ci.beta = A.beta + hv * A.BT + t0 - sh;
-      ci.v = A.v + ((t0 - vsh) * HV + hv) * V;
-      ci.ldv = HV * V;
+      if (!rows) return ci;
+      prep_chunk_rows(bp, d, A.seqs, n, hv / (HV / H), hv, t0, t1, *rows, *bad);
+      ci.q = rows->q;
+      ci.k = rows->k;
+      ci.a = rows->a;
+      ci.beta = rows->beta;
+      if (bp.P.v16) {
+        ci.v = rows->v;
+        ci.ldv = V;
+      } else {
+        const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
+        ci.v = A.v + ((t0 - vsh) * HV + hv) * V;
+        ci.ldv = HV * V;
+      }
       return ci;
     };
+    FirstBad bad;
     // The running state lives in ht (between token blocks too); a block that starts a sequence
     // starts it from h0 (an empty sequence: in block 0).
     at::parallel_for(0, units, 1, [&](int64_t ub, int64_t ue) {
@@ -139,9 +220,11 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
         std::atomic<int64_t> next{0};
         at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
           chunk::FlushDenormals ftz;
+          const ChunkRows<T> rows = thread_rows();
           for (int64_t i = next++; i < items; i = next++) {
             chunk::ChunkWork<T> w = workspace(i);
-            chunk::chunk_intra(chunk_in(item_u[i] / HV, item_u[i] % HV, item_k[i]), w);
+            chunk::chunk_intra(chunk_in(item_u[i] / HV, item_u[i] % HV, item_k[i], &rows, &bad),
+                               w);
           }
           chunk::gemm_release(products);
         });
@@ -158,7 +241,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
               std::memcpy(A.ckpt + (slot * HV + hv) * KV, S, sizeof(T) * KV);
             }
             chunk::ChunkWork<T> w = workspace(i);
-            const chunk::ChunkIn<T> ci = chunk_in(n, hv, k);
+            const chunk::ChunkIn<T> ci = chunk_in(n, hv, k, nullptr, nullptr);
             const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
             chunk::state_step(ci, w, S, A.o + ((t0 - vsh) * HV + hv) * V, HV * V);
           }
@@ -166,6 +249,9 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
         });
       }
     }
+    // What the chunks' pre-processing found outside the domain, the smallest index of the block
+    // (as the recurrent forward reports it: the same message at any thread count).
+    report_domain(bad, in, cfg, d);
   });
 }
 

@@ -157,6 +157,15 @@ void parallel_block_rows(const BlockRows& rows, const F& f) {
 template <typename T>
 void prep_block(const kernels::PrepArgs<T>& P, const BlockRows& rows, bool shifted_inputs,
                 FirstBad& bad);
+// The pre-processing kernel (prep_tokens) of compute type T for this CPU (kernels::table()).
+template <typename T>
+auto prep_kernel() {
+  if constexpr (std::is_same_v<T, float>) {
+    return kernels::table().prep_f32;
+  } else {
+    return kernels::table().prep_f64;
+  }
+}
 
 // Large buffers written once per call (outputs, checkpoints, gradient partials): on Linux, asks
 // for 2 MB pages (transparent huge pages "madvise" mode), ~500x fewer page faults than 4 KB pages.
@@ -193,7 +202,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_forward(const Inputs& in, con
 
 // The forward in token blocks (csrc/cpu/recurrent_fwd.cpp): block j of every sequence
 // (tokens [rs[n], re[n])) is converted and pre-processed into a small reused workspace (no
-// full-size pre-processed arrays), then run_block(A, rs, re, j) runs the block: A points at the
+// full-size pre-processed arrays; BlockKernel::kChunk pre-processes its own rows instead), then
+// run_block(A, prep, rs, re, j) runs the block: A points at the
 // block's pre-processed rows (sequence n's token t at row t - A.seqs.shift[n]; v and o at
 // t - A.seqs.vo_shift[n] when those are non-null), A.ht holds each sequence's running state
 // between blocks (a block with rs[n] == seqs.start[n] starts from h0 instead), and the block's
@@ -204,11 +214,24 @@ enum class BlockKernel {
   kRecurrent,  // 8 MB of rows, 2 MB more per thread beyond 4 threads (its results do not depend
                // on where blocks start); the rows include a * khat (A.ak), its next token's read
   kChunk,      // 2 MB of rows, at least 4 chunks of each sequence: the shapes only (the chunk
-               // forward's last bits depend on where blocks cut packed sequences); no A.ak
+               // forward's last bits depend on where blocks cut packed sequences); the kernel
+               // pre-processes its own rows (BlockPrep): A.q, A.k, A.a, A.ak, A.beta are null,
+               // and so is A.v when the kernel widens 16-bit v itself (prep.P.v16 set)
+};
+// The pre-processing pass's arguments for a kernel that pre-processes its own rows
+// (BlockKernel::kChunk): P reads the inputs (the block's converted rows, token t at row
+// t - shift[n], when shifted_inputs; else the whole arrays at t) and has P.v16 set when the
+// kernel is to widen 16-bit v; its outputs and shifts are the kernel's to set. Values outside
+// the domain are the kernel's to report (report_domain) before the block's runner returns.
+template <typename T>
+struct BlockPrep {
+  kernels::PrepArgs<T> P;
+  bool shifted_inputs = false;
 };
 template <typename T>
-using BlockRunner = std::function<void(const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
-                                       const std::vector<int64_t>& re, int64_t j)>;
+using BlockRunner =
+    std::function<void(const kernels::FwdArgs<T>& A, const BlockPrep<T>& prep,
+                       const std::vector<int64_t>& rs, const std::vector<int64_t>& re, int64_t j)>;
 template <typename T>
 void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
                      const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,

@@ -137,14 +137,7 @@ template kernels::PrepArgs<double> make_prep_args<double>(const Config&, const D
 template <typename T>
 void prep_block(const kernels::PrepArgs<T>& P, const BlockRows& rows, bool shifted_inputs,
                 FirstBad& bad) {
-  const auto& tab = kernels::table();
-  auto prep = [&]() {
-    if constexpr (std::is_same_v<T, float>) {
-      return tab.prep_f32;
-    } else {
-      return tab.prep_f64;
-    }
-  }();
+  const auto prep = prep_kernel<T>();
   parallel_block_rows(rows, [&](int64_t n, int64_t b, int64_t stop) {
     kernels::PrepArgs<T> Pn = P;
     Pn.out_shift = rows.shift[n];
@@ -291,17 +284,17 @@ at::Tensor state_kv(const std::optional<at::Tensor>& s, const Config& cfg, at::S
 
 namespace {
 
-// How the pre-processing pass reads an input of dtype st for compute dtype ct (Storage), or
-// nothing when it cannot read it directly (the driver converts it first).
-
 // Token blocks of the forward: the pre-processed q, k, decay, decay*k and beta of one block of
 // every sequence (tb tokens each) live in a small workspace (8 MB: cache-resident, and reused by
 // the allocator from call to call instead of page-faulting fresh full-size arrays in); the
-// recurrence runs over the block, then the next block is pre-processed. The chunk forward's
-// workspace is 2 MB (about a core's L2): it reads each row first in its chunk pass, long after
-// the pre-processing wrote it, and with 8 MB those first reads missed L2 (B1 T8K H4 bf16, 1 thread,
-// Zen 5 box: chunk forward 42.6-43.0 -> 36.7-38.6 ms; the recurrent kernels gain nothing from
-// smaller blocks: 32.4 ms with 1 MB against 32.5 ms with 8 MB). For the recurrent kernels
+// recurrence runs over the block, then the next block is pre-processed. The chunk forward
+// pre-processes each chunk's rows of one head itself, right before its products read them from
+// L1 / L2 (through the block's rows they were read long after the pass wrote them, from L3 or
+// memory: docs/benchmarks.md, "The chunk forward pre-processes its own rows"); its blocks hold
+// only converted inputs and o rows, 2 MB of what would be its pre-processed rows (with 8 MB of
+// such rows the first reads had missed L2: B1 T8K H4 bf16, 1 thread, Zen 5 box, chunk forward
+// 42.6-43.0 -> 36.7-38.6 ms; the recurrent kernels gain nothing from smaller blocks: 32.4 ms
+// with 1 MB against 32.5 ms with 8 MB). For the recurrent kernels
 // (BlockKernel::kRecurrent) the workspace grows by 2 MB per thread beyond 4 threads: each block
 // costs two parallel regions (the pre-processing pass, then the units), and on the 16-core host
 // 64-token blocks (H32) spent more in those barriers than the smaller workspace saved (H32 at 16
@@ -390,8 +383,10 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
     b_c = b_in.contiguous();
   }
   if (widen_v) v_in = v_in.contiguous();
+  // The chunk kernel pre-processes (and widens) its own rows: no block arrays of them.
+  const bool own_rows = kernel == BlockKernel::kChunk;
   if (conv_vo) {
-    v_w = empty_output({nb, d.HV * d.V}, opts);
+    if (!(own_rows && widen_v)) v_w = empty_output({nb, d.HV * d.V}, opts);
     o_w = empty_output({nb, d.HV * d.V}, opts);
     v_c = v_w;
   } else {
@@ -404,14 +399,16 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   // The pre-processed block: [H, nb, K] q and k, [HV, nb, K] decay and decay*k, [HV, nb] beta.
   // From the output cache too (1-2 MB each): glibc hands heap blocks of this size back to the
   // system when it trims its heap, and then the next call faults them in again.
-  const at::Tensor ws_q = empty_output({d.H, nb, d.K}, opts);
-  const at::Tensor ws_k = empty_output({d.H, nb, d.K}, opts);
-  const at::Tensor ws_a = empty_output({d.HV, nb, d.K}, opts);
-  // a * khat only for the recurrent kernel (its fused read of the next token's state); the
-  // chunk kernel forms its decayed keys itself.
-  const bool need_ak = kernel == BlockKernel::kRecurrent;
-  const at::Tensor ws_ak = need_ak ? empty_output({d.HV, nb, d.K}, opts) : at::Tensor();
-  const at::Tensor ws_b = empty_output({d.HV, nb}, opts);
+  // a * khat only for the recurrent kernel (its fused read of the next token's state).
+  at::Tensor ws_q, ws_k, ws_a, ws_ak, ws_b;
+  if (!own_rows) {
+    ws_q = empty_output({d.H, nb, d.K}, opts);
+    ws_k = empty_output({d.H, nb, d.K}, opts);
+    ws_a = empty_output({d.HV, nb, d.K}, opts);
+    ws_ak = empty_output({d.HV, nb, d.K}, opts);
+    ws_b = empty_output({d.HV, nb}, opts);
+  }
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; };
 
   kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, nb);
   if (direct) {
@@ -423,16 +420,19 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   if (widen_v) {
     P.v_store = *v_st;
     P.v16 = static_cast<const uint16_t*>(v_in.data_ptr());
-    P.v_out = v_w.data_ptr<T>();
+    P.v_out = ptr(v_w);
     P.VW = d.HV * d.V;
   }
   P.expA = expA.defined() ? expA.data_ptr<T>() : nullptr;
   P.dt_bias = bias.defined() ? bias.data_ptr<T>() : nullptr;
-  P.q_out = ws_q.data_ptr<T>();
-  P.k_out = ws_k.data_ptr<T>();
-  P.a_out = ws_a.data_ptr<T>();
-  P.ak_out = need_ak ? ws_ak.data_ptr<T>() : nullptr;
-  P.beta_out = ws_b.data_ptr<T>();
+  BlockPrep<T> own;
+  own.P = P;  // the chunk kernel's: inputs set, outputs its own
+  own.shifted_inputs = conv_in;
+  P.q_out = ptr(ws_q);
+  P.k_out = ptr(ws_k);
+  P.a_out = ptr(ws_a);
+  P.ak_out = ptr(ws_ak);
+  P.beta_out = ptr(ws_b);
 
   // This block's token range [rs, re) of every sequence, its rows in the workspace, the shifts.
   BlockRows rows(d.N);
@@ -447,12 +447,12 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   A.HV = d.HV;
   A.K = d.K;
   A.V = d.V;
-  A.q = ws_q.data_ptr<T>();
-  A.k = ws_k.data_ptr<T>();
-  A.a = ws_a.data_ptr<T>();
+  A.q = P.q_out;
+  A.k = P.k_out;
+  A.a = P.a_out;
   A.ak = P.ak_out;
-  A.beta = ws_b.data_ptr<T>();
-  A.v = v_c.data_ptr<T>();
+  A.beta = P.beta_out;
+  A.v = ptr(v_c);
   A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
   A.o = conv_vo ? o_w.data_ptr<T>() : o.data_ptr<T>();
   A.ht = ht.data_ptr<T>();
@@ -479,10 +479,12 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
     if (conv_vo && !widen_v) copy_block_rows(v_w, v_in, rows);
     // Pre-processing of the block's rows; values outside the domain are reported before the
     // block's recurrence runs.
-    FirstBad bad;
-    prep_block<T>(P, rows, conv_in, bad);
-    report_domain(bad, in, cfg, d);
-    run_block(A, rs, re, j);
+    if (!own_rows) {
+      FirstBad bad;
+      prep_block<T>(P, rows, conv_in, bad);
+      report_domain(bad, in, cfg, d);
+    }
+    run_block(A, own, rs, re, j);
     if (conv_vo) {
       const at::Tensor o2 = o.view({BT, d.HV * d.V});
       for (int64_t n = 0; n < d.N; ++n) {
@@ -531,8 +533,9 @@ void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Seq
   const at::Tensor thread_ws = at::empty({threads * ws_stride}, in.q.options().dtype(compute_dtype(in.q)));
   T* const ws0 = thread_ws.data_ptr<T>();
   run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, BlockKernel::kRecurrent,
-                     [&](const kernels::FwdArgs<T>& A, const std::vector<int64_t>& rs,
-                         const std::vector<int64_t>& re, int64_t j) {
+                     [&](const kernels::FwdArgs<T>& A, const BlockPrep<T>&,
+                         const std::vector<int64_t>& rs, const std::vector<int64_t>& re,
+                         int64_t j) {
     // An empty sequence still runs once (in block 0), so its final state is its initial state.
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {

@@ -341,11 +341,15 @@ constexpr int kPrepVecs = 8;
 constexpr int kPrepVecs = 1;
 #endif
 
+constexpr int64_t kPrepPrefetch = 4;
+
 template <typename T>
 PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   const int64_t K = P.K, H = P.H, HV = P.HV, BT = P.BT;
+  const int64_t q_ld = P.q_ld ? P.q_ld : H * K, g_ld = P.g_ld ? P.g_ld : HV * K;
+  const int64_t beta_ld = P.beta_ld ? P.beta_ld : HV, v_ld = P.v_ld ? P.v_ld : P.VW;
   PrepReport rep;
   const V zero{};
   // Lanes that ever held a log-decay > 0 (NaN compares false: it propagates, it is not rejected).
@@ -355,12 +359,21 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
     const int64_t ti = t - P.in_shift, to = t - P.out_shift;  // input / output rows of token t
     // The rows of q, k and g of a token a few ahead (the loads of each row's first use waited on
     // memory: ~23% of this pass on the 2-core Xeon).
-    if (t + kPrefetchTokens < t1 && P.q_store == Storage::kCompute &&
-        P.g_store == Storage::kCompute) {
-      const int64_t ta = ti + kPrefetchTokens;
-      prefetch_cols(P.q + ta * H * K, H * K, false);
-      prefetch_cols(P.k + ta * H * K, H * K, false);
-      prefetch_cols(P.g + ta * HV * K, HV * K, false);
+    if (t + kPrepPrefetch < t1) {
+      const int64_t ta = ti + kPrepPrefetch;
+      if (P.q_store == Storage::kCompute) {
+        prefetch_cols(P.q + ta * q_ld, H * K, false);
+        prefetch_cols(P.k + ta * q_ld, H * K, false);
+      } else {
+        prefetch_cols(P.q16 + ta * q_ld, H * K, false);
+        prefetch_cols(P.k16 + ta * q_ld, H * K, false);
+      }
+      if (P.g_store == Storage::kCompute) {
+        prefetch_cols(P.g + ta * g_ld, HV * K, false);
+      } else {
+        prefetch_cols(P.g16 + ta * g_ld, HV * K, false);
+      }
+      if (P.v16) prefetch_cols(P.v16 + ta * v_ld, P.VW, false);
     }
     // q, k: l2 norm (optional) and scale. Row r < 2H is q of head r, then k of head r - H. The
     // sums of squares of L rows at a time are reduced together (lane_sums: row r's sum has the
@@ -377,7 +390,7 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
             const T* src = r0 + r < H ? P.q : P.k;
             const uint16_t* src16 = r0 + r < H ? P.q16 : P.k16;
             for (int64_t i = 0; i < K; i += L) {
-              const V xv = load_in(src, src16, P.q_store, (ti * H + h) * K + i, K - i);
+              const V xv = load_in(src, src16, P.q_store, ti * q_ld + h * K + i, K - i);
               acc += xv * xv;
             }
           }
@@ -390,7 +403,7 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
         const int64_t h = (r0 + r) % H;
         const T* src = is_q ? P.q : P.k;
         const uint16_t* src16 = is_q ? P.q16 : P.k16;
-        const int64_t x0 = (ti * H + h) * K;
+        const int64_t x0 = ti * q_ld + h * K;
         T* y = (is_q ? P.q_out : P.k_out) + (h * BT + to) * K;
         T f = is_q ? P.scale : T(1);
         if (P.l2norm) {
@@ -406,7 +419,7 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
     }
     // gate and decay, kPrepVecs vectors at a time (vec_math.h: their chains interleave)
     for (int64_t hv = 0; hv < HV; ++hv) {
-      const int64_t g0 = (ti * HV + hv) * K;
+      const int64_t g0 = ti * g_ld + hv * K;
       const T* bias = P.dt_bias ? P.dt_bias + hv * K : nullptr;
       T* a = P.a_out + (hv * BT + to) * K;
       // a * khat (khat of this value head's key head), for the recurrent kernel only
@@ -474,7 +487,7 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
     }
     // beta
     for (int64_t hv = 0; hv < HV; ++hv) {
-      T b = load1_in(P.beta, P.beta16, P.beta_store, ti * HV + hv);
+      T b = load1_in(P.beta, P.beta16, P.beta_store, ti * beta_ld + hv);
       if (P.beta_sigmoid) {
         b = P.beta_mult * (T(1) / (T(1) + s_exp(-b)));
       } else if ((b < T(0) || b > T(2)) && rep.bad_beta < 0) {
@@ -484,7 +497,7 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
     }
     // v (16-bit, forward blocks): widened into the block's compute-type rows.
     if (P.v16) {
-      const uint16_t* vs = P.v16 + ti * P.VW;
+      const uint16_t* vs = P.v16 + ti * v_ld;
       T* vd = P.v_out + to * P.VW;
       for (int64_t i = 0; i < P.VW; i += L) {
         store_cols(vd + i, load_in<T>(nullptr, vs, P.v_store, i, P.VW - i), P.VW - i);
@@ -493,12 +506,12 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
   }
   bool any_g = false;
   for (int64_t l = 0; l < L; ++l) any_g = any_g || g_pos[l] != 0;
-  if (any_g) {
-    const int64_t n = (t1 - t0) * HV * K;
-    const int64_t g0 = (t0 - P.in_shift) * HV * K;  // rows of tokens [t0, t1) are consecutive
-    for (int64_t j = 0; j < n; ++j) {
+  for (int64_t t = t0; any_g && t < t1; ++t) {
+    const int64_t g0 = (t - P.in_shift) * g_ld;
+    for (int64_t j = 0; j < HV * K; ++j) {
       if (load1_in(P.g, P.g16, P.g_store, g0 + j) > T(0)) {
-        rep.bad_g = t0 * HV * K + j;
+        rep.bad_g = t * HV * K + j;
+        any_g = false;
         break;
       }
     }

@@ -112,6 +112,11 @@ struct PrepArgs {
   // Token t is read at row t - in_shift of q, k, g, beta and written at t - out_shift of the
   // outputs (token blocks of the forward; 0 for whole arrays). BT is the outputs' token stride.
   int64_t in_shift = 0, out_shift = 0;
+  // The inputs' token strides (elements) of q and k, g, beta and v16; 0: packed (H * K, HV * K,
+  // HV, VW). A view of one head (H = HV = 1, the input pointers at that head, VW = V) keeps the
+  // whole arrays' strides here: the chunk forward pre-processes one chunk of one head at a time
+  // (its PrepReport then numbers tokens and channels as for HV = 1).
+  int64_t q_ld = 0, g_ld = 0, beta_ld = 0, v_ld = 0;
   T scale = 1;
   bool l2norm = false;
   GateMode gate = GateMode::kNone;

@@ -19,7 +19,8 @@ import itertools
 import pytest
 import torch
 
-from kda_testing import GATES, grads, make_problem, op_args, per_thread_count, rel_err
+from kda_testing import (GATES, grads, make_problem, op_args, per_thread_count, rel_err,
+                         stable_seed)
 from oracle import oracle_kda
 from torch_kda import reference
 
@@ -45,7 +46,7 @@ CASES = list(itertools.product(GATES, (False, True), (False, True),
 @pytest.mark.parametrize("gate,varlen,state_v_first,dtype", CASES)
 def test_bf16_products_meet_fla_ratio_every_feature(gate, varlen, state_v_first, dtype,
                                                     monkeypatch):
-    seed = abs(hash((gate, varlen, state_v_first, str(dtype)))) % 10_000
+    seed = stable_seed(gate, varlen, state_v_first, str(dtype))
     exact = make_problem(B=2, T=150, H=2, HV=4, K=32, V=16, gate=gate,
                          neg_eigval=gate == "bounded", state_v_first=state_v_first,
                          seqlens=SEQLENS if varlen else None, seed=seed)
@@ -166,7 +167,7 @@ BWD_CASES = [(gate, varlen, dtype) for (gate, varlen), dtype in
 
 @pytest.mark.parametrize("gate,varlen,dtype", BWD_CASES)
 def test_bf16_backward_products_meet_fla_ratio(gate, varlen, dtype, monkeypatch):
-    seed = abs(hash((gate, varlen, str(dtype), "bwd"))) % 10_000
+    seed = stable_seed(gate, varlen, str(dtype), "bwd")
     exact = make_problem(B=2, T=150, H=2, HV=4, K=32, V=16, gate=gate,
                          neg_eigval=gate == "bounded", initial_state=True,
                          seqlens=SEQLENS if varlen else None, seed=seed)
@@ -175,12 +176,16 @@ def test_bf16_backward_products_meet_fla_ratio(gate, varlen, dtype, monkeypatch)
     g16 = chunk_bwd_grads(p, do, ds, "bf16", monkeypatch)
     g32 = chunk_bwd_grads(p, do, ds, "fp32", monkeypatch)
     assert any(not torch.equal(g16[n], g32[n]) for n in g16)  # the bf16 products ran
-    # FLA's bar against float64 on the rounded inputs (the kernel's error), and against the exact
-    # inputs (with the inputs' rounding).
-    for ref in (reference_grads(p, do, ds), reference_grads(exact, do, ds)):
-        for name, gr in ref.items():
-            assert g16[name].dtype == p.tensors()[name].dtype, name
-            assert rel_err(g16[name], gr) <= 0.008, (name, rel_err(g16[name], gr))
+    # FLA's bar against float64 on the rounded inputs (the kernel's own error). Against the exact
+    # inputs the rounding of the inputs adds its own error, which no kernel can remove (over 200
+    # seeds of this shape with fp32 products: up to 8.2e-3 on A_log); there the kernel adds at most
+    # FLA's bar to the float64 gradients of the rounded inputs.
+    rounded, exact_ref = reference_grads(p, do, ds), reference_grads(exact, do, ds)
+    for name, gr in rounded.items():
+        assert g16[name].dtype == p.tensors()[name].dtype, name
+        assert rel_err(g16[name], gr) <= 0.008, (name, rel_err(g16[name], gr))
+        rounding = rel_err(gr, exact_ref[name])
+        assert rel_err(g16[name], exact_ref[name]) <= rounding + 0.008, name
 
 
 @pytest.mark.parametrize("kind", ["strong", "strong_then_weak", "block_split"])

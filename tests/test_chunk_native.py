@@ -332,13 +332,64 @@ def test_the_first_value_outside_the_domain_is_named_as_the_recurrent_op_names_i
             fn(**dict(args, beta=beta), backend="native")
 
 
-def test_auto_rule_follows_the_measured_table(monkeypatch):
+def test_auto_rule_picks_the_chunk_kernel_only_where_it_was_measured_faster(monkeypatch):
+    # _native.prefer_chunk: bf16 products on a matrix engine, no gradient recorded, a mean length
+    # of at least 2048 tokens, at least 2 (sequence, value head) units per thread.
     import torch_kda
     from torch_kda import _native
 
-    cap = torch.backends.cpu.get_cpu_capability()
-    p = make_problem(B=1, T=300, H=1, HV=2, K=6, V=5, gate="softplus", seed=3).to(torch.float32)
-    for table, expect_chunk in (({}, False), ({cap: 256}, True), ({cap: 512}, False)):
-        monkeypatch.setattr(_native, "_CHUNK_FASTER_FROM", table)
-        o, _ = torch_kda.chunk_kda(*p.args, **p.kwargs, backend="auto")
-        assert torch.equal(o, (chunk if expect_chunk else recurrent)(p)[0])
+    p = make_problem(B=1, T=2048, H=1, HV=2, K=16, V=16, gate="softplus", seed=3)
+    p = p.to(torch.bfloat16)
+    short = make_problem(B=1, T=2047, H=1, HV=2, K=16, V=16, gate="softplus", seed=3)
+    short = short.to(torch.bfloat16)
+    assert not torch.equal(chunk(p)[0], recurrent(p)[0])  # the two kernels are told apart
+
+    def auto(p, q=None):
+        return torch_kda.chunk_kda(q if q is not None else p.q, *p.args[1:], **p.kwargs,
+                                   backend="auto")[0]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for products, expect_chunk in ((True, True), (False, False)):
+            monkeypatch.setattr(_native, "chunk_bf16_products", lambda *a, v=products: v)
+            assert torch.equal(auto(p), (chunk if expect_chunk else recurrent)(p)[0])
+        monkeypatch.setattr(_native, "chunk_bf16_products", lambda *a: True)
+        # too short, or a gradient recorded: recurrent
+        assert torch.equal(auto(short), recurrent(short)[0])
+        q = p.q.clone().requires_grad_()
+        assert torch.equal(auto(p, q).detach(), recurrent(p)[0])
+        with torch.no_grad():
+            assert torch.equal(auto(p, q), chunk(p)[0])
+        torch.set_num_threads(2)  # 2 units for 2 threads: recurrent
+        assert torch.equal(auto(p), recurrent(p)[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_chunk_bf16_products_query_follows_the_op_choice(monkeypatch):
+    from torch_kda import _native
+
+    assert _native.chunk_bf16_products(torch.float32, 128, 128) is False
+    assert _native.chunk_bf16_products(torch.bfloat16, 130, 128) is False  # K not a multiple of 16
+    assert isinstance(_native.chunk_bf16_products(torch.bfloat16, 128, 128), bool)
+    monkeypatch.setenv("TORCH_KDA_CHUNK_PRODUCTS", "fp32")
+    assert _native.chunk_bf16_products(torch.bfloat16, 128, 128) is False
+    monkeypatch.setenv("TORCH_KDA_CHUNK_PRODUCTS", "fast")
+    with pytest.raises(ValueError, match="TORCH_KDA_CHUNK_PRODUCTS must be auto, fp32 or bf16"):
+        _native.chunk_bf16_products(torch.bfloat16, 128, 128)
+
+
+def test_auto_rule_compiles_without_graph_breaks():
+    # The rule's machine facts (threads, the op's products) are constants to torch.compile.
+    import torch_kda
+
+    p = make_problem(B=1, T=2048, H=1, HV=2, K=16, V=16, gate="softplus", seed=5)
+    p = p.to(torch.bfloat16)
+
+    def f(q, k, v, g, beta):
+        return torch_kda.chunk_kda(q, k, v, g, beta, **p.kwargs, backend="auto")[0]
+
+    with torch.no_grad():
+        o = torch.compile(f, backend="eager", fullgraph=True)(*p.args)
+    assert torch.equal(o, f(*p.args))

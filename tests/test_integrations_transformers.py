@@ -122,10 +122,11 @@ def test_routing_is_per_model_and_errors_name_the_argument(monkeypatch):
         use_torch_kda("model")
 
 
-def test_importing_torch_kda_and_its_integrations_imports_no_third_party_library():
+def test_importing_torch_kda_and_its_integrations_imports_no_third_party_library_nor_dynamo():
     code = ("import sys, torch_kda, torch_kda.integrations, torch_kda.integrations.fla, "
             "torch_kda.integrations.transformers\n"
-            "bad = [m for m in ('fla', 'transformers', 'kernels', 'triton') if m in sys.modules]\n"
+            "bad = [m for m in ('fla', 'transformers', 'kernels', 'triton', 'torch._dynamo')\n"
+            "       if m in sys.modules]\n"
             "assert not bad, bad\nprint('ok')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

@@ -6,6 +6,7 @@
 #include "cpu/error_message.h"
 
 #include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -125,3 +126,15 @@ void gemm16(const ProductWork& p, int64_t M, int64_t N, int64_t Kd, const at::BF
 }  // namespace chunk
 }  // namespace detail
 }  // namespace kda
+
+// For backend="auto" (src/torch_kda/_native.py, prefer_chunk): whether the chunk forward would
+// take bf16 state products on the CPU's matrix engine (packed bf16: AMX) for inputs of dtype
+// `dtype` and head sizes K, V (as choose_products decides, TORCH_KDA_CHUNK_PRODUCTS included).
+TORCH_LIBRARY_FRAGMENT(kda, m) {
+  m.def("_chunk_bf16_products(ScalarType dtype, int K, int V) -> bool",
+        [](c10::ScalarType dtype, int64_t K, int64_t V) {
+          return kda::detail::chunk::choose_products(dtype, K, V,
+                                                     "kda::_chunk_bf16_products: ") ==
+                 kda::detail::chunk::Products::kBf16;
+        });
+}

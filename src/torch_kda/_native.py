@@ -207,25 +207,64 @@ def prefer_chunk(x: KDAInputs) -> bool:
     """``backend="auto"`` on CPU: whether :func:`chunk_kda` runs the chunkwise kernel
     (``torch.ops.kda.chunk``) rather than the recurrent one.
 
-    The one place of the rule. It follows the crossovers measured side by side in
-    docs/benchmarks.md ("CPU: chunkwise vs recurrent native kernels", ``python -m torch_kda.benchmark chunk``): the
-    chunk kernel is chosen where this CPU's kind (ATen's CPU capability) was measured faster for
-    sequences of at least the listed length, for fp32 and bf16 inputs and any thread count.
-    So far no CPU kind is listed: on the AVX2 box the chunk forward ran at 0.4-0.95x of the
-    recurrent one (T = 256 to 16K, H = 4, fp32 and bf16, 1-2 threads; forward + backward 0.6-0.9x),
-    on the AVX-512/AMX Xeon at 0.73-0.88x (B1 T8K H16, 16 threads; forward + backward 1.0-1.4x),
-    so the recurrent kernel stays the default until a run shows the chunk kernel ahead. Decoding (one token per
-    sequence) always runs the recurrent kernel.
+    The one place of the rule, from the crossovers measured side by side in docs/benchmarks.md
+    ("The ``backend="auto"`` rule", ``python -m torch_kda.benchmark chunk``). The chunk kernel runs
+    when all of these hold, else the recurrent one:
+
+    - its state products take bf16 operands on the CPU's matrix engine
+      (``torch.ops.kda._chunk_bf16_products``: bf16 / fp16 inputs, K and V multiples of 16, a CPU
+      where ATen packs bf16 for its brgemm, i.e. AMX; TORCH_KDA_CHUNK_PRODUCTS not ``fp32``).
+      Elsewhere the chunk forward measured 0.4-0.95x of the recurrent one (AVX2, AVX-512 without
+      AMX, and fp32 inputs on AMX);
+    - no gradient is recorded: the chunk forward + backward measured 0.74-0.90x of the recurrent
+      pair at 1 thread on the AMX host (1.03-1.21x at 16 threads with H >= 16 only);
+    - sequences of at least ``_CHUNK_MIN_MEAN_TOKENS`` tokens on average (decoding, T = 1,
+      never);
+    - at least 2 (sequence, value head) units per thread: the chunk kernel's state steps run one
+      unit per thread, the recurrent kernel also splits the value columns (B1 H4 at 16 threads:
+      chunk 0.48-0.50x).
     """
     if x.T <= 1:
         return False
-    min_tokens = _CHUNK_FASTER_FROM.get(torch.backends.cpu.get_cpu_capability())
-    return min_tokens is not None and x.B * x.T >= max(1, x.N) * min_tokens
+    if torch.is_grad_enabled() and _any_requires_grad(x) is not None:
+        return False
+    sequences = max(1, x.N)
+    if x.B * x.T < sequences * _CHUNK_MIN_MEAN_TOKENS:
+        return False
+    if sequences * x.HV < 2 * _threads():
+        return False
+    return chunk_bf16_products(x.q.dtype, x.K, x.V)
 
 
-# CPU capability (torch.backends.cpu.get_cpu_capability()) -> the shortest mean sequence length
-# (tokens) from which the chunk kernel was measured faster; see prefer_chunk.
-_CHUNK_FASTER_FROM: Dict[str, int] = {}
+# The shortest mean sequence length (tokens) from which prefer_chunk picks the chunk kernel.
+_CHUNK_MIN_MEAN_TOKENS = 2048
+
+
+def _constant_to_compile(fn):
+    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does: torch.compile calls it once
+    while tracing and keeps its result as a constant (no graph break under ``fullgraph=True``;
+    a compiled function keeps the choice it was traced with).
+
+    Not the public decorator: applying it imports torch._dynamo, and triton with it (1.2 s),
+    which ``import torch_kda`` must not. The decorator sets only this attribute (torch 2.11 to
+    2.13); tests/test_chunk_native.py's fullgraph test fails if a torch version stops reading it.
+    """
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+# The machine's facts the rule reads are constants to torch.compile.
+@_constant_to_compile
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+@_constant_to_compile
+def chunk_bf16_products(dtype: torch.dtype, K: int, V: int) -> bool:
+    """Whether ``torch.ops.kda.chunk`` would take bf16 state products on the CPU's matrix engine
+    (AMX) for inputs of ``dtype`` and head sizes ``K``, ``V`` (the op's own choice, the
+    TORCH_KDA_CHUNK_PRODUCTS knob included). Raises ValueError on an unknown knob value."""
+    return bool(torch.ops.kda._chunk_bf16_products(dtype, K, V))
 
 
 def _any_requires_grad(x: KDAInputs) -> Optional[str]:

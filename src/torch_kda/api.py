@@ -262,8 +262,10 @@ def chunk_kda(
     kernel always uses chunks of 64 tokens: ``chunk_size`` changes only the reference's chunk
     length and the spacing of ``return_intermediate_states``, never the native result.
     ``"auto"`` on CPU runs the native chunkwise kernel where it is measured faster than the
-    recurrent one (long sequences; ``_native.prefer_chunk``, docs/benchmarks.md) and the
-    recurrent kernel otherwise (decoding, short sequences).
+    recurrent one (bf16 / fp16 inputs on CPUs with AMX, no gradient recorded, sequences of 2048
+    tokens or more, at least 2 (sequence, value head) pairs per thread;
+    ``_native.prefer_chunk``, docs/benchmarks.md) and the recurrent kernel otherwise (decoding,
+    short sequences, training, fp32, CPUs without AMX).
     """
     if not isinstance(disable_recompute, bool):
         raise TypeError(f"disable_recompute must be a bool, got {type(disable_recompute).__name__}")

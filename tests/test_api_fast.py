@@ -118,10 +118,10 @@ def test_python_only_argument_types_take_the_checked_path(fast_calls):
     p = make_problem(B=1, T=1, H=2, K=8, V=4, seed=3, dtype=torch.float32)
     call = dict(zip(("q", "k", "v", "g", "beta"), p.args), **p.kwargs)
     ref, _ = torch_kda.fused_recurrent_kda(**call, backend="native")
-    # accepted by the checks (any truthy flag, an int scale), not by the op's argument parser
-    # as the checks read them: the checked path runs them, with the same result
-    o, _ = torch_kda.fused_recurrent_kda(**dict(call, use_qk_l2norm_in_kernel=1,
-                                                scale=1), backend="native")
+    # accepted by the checks (an int scale), not by the op's argument parser as the checks read
+    # it: the checked path runs it, with the same result (a flag that is not a bool is an error,
+    # docs/bad_inputs.md row 53)
+    o, _ = torch_kda.fused_recurrent_kda(**dict(call, scale=1), backend="native")
     o_ref, _ = torch_kda.fused_recurrent_kda(**dict(call, scale=1.0), backend="native")
     assert torch.equal(o, o_ref) and fast_calls == [-1, -1]
     assert rel_err(ref, o) > 0  # the scale changed the result: the int was used

@@ -66,6 +66,11 @@ PY_CASES = [
     ("scale", dict(scale=1e300), ValueError, ["scale must be finite", "float32", "1e+300"]),
     ("lower-bound-value", dict(lower_bound=-1e300), ValueError, ["lower_bound", "float32"]),
     ("scale", dict(scale=True), TypeError, ["scale"]),
+    # flags read by their truth value made "False" mean True
+    *[("flag-type", {flag: bad}, TypeError, [flag, "must be a bool"])
+      for flag in ("output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                   "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first")
+      for bad in ("False", torch.tensor(True), 1)],
     ("heads", _empty_dim(2, ("q", "k")), ValueError, ["H", "HV"]),
     # Zero-sized K, V or HV: the native op rejects them; the Python checks must too (a clean
     # ValueError in every backend). Known bugs when written, see docs/bad_inputs.md.
@@ -85,6 +90,13 @@ def test_python_api_rejects(row, changes, exc, words, backend):
             fn(**_call(**changes), backend=backend)
         for word in words:
             assert word in str(info.value), f"{row}: {word!r} not in {info.value}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+@pytest.mark.parametrize("bad", ["False", torch.tensor(True), 1])
+def test_chunk_kda_rejects_a_safe_gate_that_is_not_a_bool(bad, backend):  # row "flag-type"
+    with pytest.raises(TypeError, match="safe_gate must be a bool"):
+        torch_kda.chunk_kda(**_call(), safe_gate=bad, backend=backend)
 
 
 def test_native_backend_rejects_non_cpu_tensors():  # row "native-device"

@@ -121,6 +121,16 @@ def test_fla_chunk_kda_argument_conventions():
     with pytest.raises(ValueError, match="initial_state"):  # torch-kda's checks name the argument
         bad = dict(p.kwargs, initial_state=p.kwargs["initial_state"][:, :1])
         fla_chunk_kda(*p.args, **bad)
+    # FLA's deprecated name of state_v_first: the same call, with FLA's warning; a bool only
+    vf = {k: v for k, v in p.kwargs.items() if k != "state_v_first"}
+    vf.update(initial_state=vf["initial_state"].transpose(-1, -2).contiguous(),
+              output_final_state=True)
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        o_old, s_old = fla_chunk_kda(*p.args, **vf, transpose_state_layout=True)
+    o_new, s_new = fla_chunk_kda(*p.args, **vf, state_v_first=True)
+    assert torch.equal(o_old, o_new) and torch.equal(s_old, s_new)
+    with pytest.raises(TypeError, match="transpose_state_layout must be a bool"):
+        fla_chunk_kda(*p.args, **vf, transpose_state_layout="False")
 
 
 def test_verifiers_decline_tensors_off_the_cpu_and_fla_keeps_its_path():

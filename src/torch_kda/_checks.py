@@ -304,7 +304,7 @@ def check_kda_inputs(
 
     Raises:
         TypeError: a non-tensor or a non-floating tensor, ``q``/``k``/``v`` of different dtypes,
-            non-integer ``cu_seqlens``.
+            non-integer ``cu_seqlens``, a flag that is not a ``bool``.
         ValueError: any shape, device, ``cu_seqlens``, gate or flag inconsistency; the message names
             the argument, the expected and the actual value.
     """
@@ -333,6 +333,18 @@ def check_kda_inputs(
         for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
             _require_device(name, x, device)
 
+    if not (type(output_final_state) is bool and type(use_qk_l2norm_in_kernel) is bool
+            and type(use_gate_in_kernel) is bool and type(use_beta_sigmoid_in_kernel) is bool
+            and type(allow_neg_eigval) is bool and type(safe_gate) is bool
+            and type(state_v_first) is bool):
+        # (a string "False" or a one-element tensor would otherwise be read by its truth value)
+        for name, flag in (("output_final_state", output_final_state),
+                           ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+                           ("use_gate_in_kernel", use_gate_in_kernel),
+                           ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+                           ("allow_neg_eigval", allow_neg_eigval), ("safe_gate", safe_gate),
+                           ("state_v_first", state_v_first)):
+            _require_bool(name, flag)
     scale = check_scale(scale, K, q.dtype)
     if lower_bound is not None or safe_gate:
         lower_bound = _check_lower_bound(lower_bound, safe_gate, q.dtype)
@@ -364,10 +376,10 @@ def check_kda_inputs(
             _require_shape("initial_state", initial_state, expected, meaning)
             _require_device("initial_state", initial_state, q.device)
 
-    return KDAInputs(q, k, v, g, beta, float(scale), initial_state, bool(output_final_state),
-                     bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
-                     bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), bool(safe_gate),
-                     lower_bound, bool(state_v_first), cu_seqlens, A_log, dt_bias, chunk_size,
+    return KDAInputs(q, k, v, g, beta, float(scale), initial_state, output_final_state,
+                     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                     allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
+                     dt_bias, chunk_size,
                      B, T, H, K, HV, V, N)
 
 

@@ -156,6 +156,7 @@ def fused_recurrent_fast(q, k, v, g, beta, scale, initial_state, output_final_st
             and (cu_seqlens is None or isinstance(cu_seqlens, Tensor))
             and (scale is None or type(scale) is float)
             and (lower_bound is None or type(lower_bound) is float)
+            and type(output_final_state) is bool
             and type(use_qk_l2norm_in_kernel) is bool and type(use_gate_in_kernel) is bool
             and type(use_beta_sigmoid_in_kernel) is bool and type(allow_neg_eigval) is bool
             and type(state_v_first) is bool and type(inplace_final_state) is bool
@@ -177,7 +178,7 @@ def fused_recurrent_fast(q, k, v, g, beta, scale, initial_state, output_final_st
             return None
         o, final_state, status = direct("_fused_recurrent_serving_fast")(
             q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens, out,
-            bool(output_final_state), pad_slot_id, inplace_final_state, use_qk_l2norm_in_kernel,
+            output_final_state, pad_slot_id, inplace_final_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
             state_v_first, cu_seqlens, A_log, dt_bias)
         if out is not None:

@@ -181,7 +181,11 @@ def _deprecated_layout_name(state_v_first: bool, kwargs: Dict[str, Any]) -> bool
         raise ValueError("pass state_v_first or the deprecated transpose_state_layout, not both")
     warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
                   DeprecationWarning, stacklevel=3)
-    return bool(kwargs.pop("transpose_state_layout"))
+    layout = kwargs.pop("transpose_state_layout")
+    if not isinstance(layout, bool):  # (its truth value would make "False" mean True)
+        raise TypeError(f"transpose_state_layout must be a bool, got {type(layout).__name__} "
+                        f"{layout!r}")
+    return layout
 
 
 # --------------------------------------------------------------------------------------------

@@ -380,6 +380,18 @@ def test_chunk_bf16_products_query_follows_the_op_choice(monkeypatch):
         _native.chunk_bf16_products(torch.bfloat16, 128, 128)
 
 
+@pytest.mark.parametrize("T", [1, 5, 2048])
+def test_a_misspelt_products_knob_raises_under_auto_at_any_length(T, monkeypatch):
+    # (it was read only where the rule's other conditions held: a long sequence)
+    import torch_kda
+
+    monkeypatch.setenv("TORCH_KDA_CHUNK_PRODUCTS", "BF16")
+    p = make_problem(B=1, T=T, H=1, HV=2, K=16, V=16, gate="softplus", seed=8)
+    p = p.to(torch.bfloat16)
+    with torch.no_grad(), pytest.raises(ValueError, match="must be auto, fp32 or bf16, got 'BF16'"):
+        torch_kda.chunk_kda(*p.args, **p.kwargs, backend="auto")
+
+
 def test_auto_rule_compiles_without_graph_breaks():
     # The rule's machine facts (threads, the op's products) are constants to torch.compile.
     import torch_kda

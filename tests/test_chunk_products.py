@@ -251,3 +251,17 @@ def test_unknown_knob_value_names_the_variable(monkeypatch):
     with pytest.raises(ValueError, match=f"kda::chunk: {KNOB} must be auto, fp32 or bf16, "
                                            "got 'fast'"):
         chunk(p, "fast", monkeypatch)
+
+
+def test_fp16_inputs_keep_fp32_products_unless_the_knob_says_bf16(monkeypatch):
+    # bf16 operands would drop fp16's 3 extra mantissa bits (3.1e-3 against float64 where fp32
+    # products give 2.1e-4): auto keeps fp32 products for fp16 inputs, on AMX CPUs too
+    from torch_kda import _native
+
+    monkeypatch.delenv(KNOB, raising=False)
+    assert _native.chunk_bf16_products(torch.float16, 128, 128) is False
+    p = make_problem(B=1, T=150, H=1, HV=2, K=16, V=16, gate="softplus", seed=7)
+    p = p.to(torch.float16)
+    o_auto = torch.ops.kda.chunk(*op_args(p))[0]
+    assert torch.equal(o_auto, chunk(p, "fp32", monkeypatch)[0])
+    assert not torch.equal(o_auto, chunk(p, "bf16", monkeypatch)[0])

@@ -10,9 +10,10 @@
 // bf16 products of the same kind, which only the knob's bf16 turns on (choose_bwd_products).
 //
 // One knob, the environment variable TORCH_KDA_CHUNK_PRODUCTS, read at each call:
-//   auto (default)  bf16 products for 16-bit inputs where the CPU packs bf16 for the GEMM library
+//   auto (default)  bf16 products for bf16 inputs where the CPU packs bf16 for the GEMM library
 //                   (cpublas::could_pack(kBFloat16): AMX); fp32 products elsewhere, where bf16
-//                   products would run ATen's slow fallback;
+//                   products would run ATen's slow fallback, and for fp16 inputs (rounding their
+//                   operands to bf16 would lose fp16's 3 extra mantissa bits);
 //   fp32            fp32 products always;
 //   bf16            bf16 products for 16-bit inputs everywhere: the real ones where the CPU has
 //                   them (as auto), else an emulation with the same numerics (operands rounded to bf16, their

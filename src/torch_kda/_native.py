@@ -213,10 +213,11 @@ def prefer_chunk(x: KDAInputs) -> bool:
     when all of these hold, else the recurrent one:
 
     - its state products take bf16 operands on the CPU's matrix engine
-      (``torch.ops.kda._chunk_bf16_products``: bf16 / fp16 inputs, K and V multiples of 16, a CPU
-      where ATen packs bf16 for its brgemm, i.e. AMX; TORCH_KDA_CHUNK_PRODUCTS not ``fp32``).
-      Elsewhere the chunk forward measured 0.4-0.95x of the recurrent one (AVX2, AVX-512 without
-      AMX, and fp32 inputs on AMX);
+      (``torch.ops.kda._chunk_bf16_products``: bf16 inputs (fp16 ones only with
+      TORCH_KDA_CHUNK_PRODUCTS=bf16), K and V multiples of 16, a CPU where ATen packs bf16 for its
+      brgemm, i.e. AMX; TORCH_KDA_CHUNK_PRODUCTS not ``fp32``). Elsewhere the chunk forward
+      measured 0.4-0.95x of the recurrent one (AVX2, AVX-512 without AMX, and fp32 inputs on
+      AMX);
     - no gradient is recorded: the chunk forward + backward measured 0.74-0.90x of the recurrent
       pair at 1 thread on the AMX host (1.03-1.21x at 16 threads with H >= 16 only);
     - sequences of at least ``_CHUNK_MIN_MEAN_TOKENS`` tokens on average (decoding, T = 1,
@@ -225,6 +226,10 @@ def prefer_chunk(x: KDAInputs) -> bool:
       unit per thread, the recurrent kernel also splits the value columns (B1 H4 at 16 threads:
       chunk 0.48-0.50x).
     """
+    # Asked first: it reads TORCH_KDA_CHUNK_PRODUCTS, whose misspelling then raises at any length,
+    # as the native chunk op raises it.
+    if not chunk_bf16_products(x.q.dtype, x.K, x.V):
+        return False
     if x.T <= 1:
         return False
     if torch.is_grad_enabled() and _any_requires_grad(x) is not None:
@@ -232,9 +237,7 @@ def prefer_chunk(x: KDAInputs) -> bool:
     sequences = max(1, x.N)
     if x.B * x.T < sequences * _CHUNK_MIN_MEAN_TOKENS:
         return False
-    if sequences * x.HV < 2 * _threads():
-        return False
-    return chunk_bf16_products(x.q.dtype, x.K, x.V)
+    return sequences * x.HV >= 2 * _threads()
 
 
 # The shortest mean sequence length (tokens) from which prefer_chunk picks the chunk kernel.

@@ -1,0 +1,55 @@
+"""bf16 inputs: the relative RMS error of the output and final state against float64, per kernel.
+
+    python benchmarks/bf16_accuracy.py BACKEND...      # fla | chunk | recurrent
+    TORCH_KDA_CHUNK_PRODUCTS=bf16 python benchmarks/bf16_accuracy.py chunk recurrent
+
+"fla": ``chunk_kda(backend="fla")`` on CUDA (FLA's chunk kernel, bf16 products); "chunk": the native
+chunk kernel (its bf16 state products where TORCH_KDA_CHUNK_PRODUCTS and the CPU give them, an
+emulation with the same numerics under ``=bf16`` on a CPU without AMX); "recurrent": the native
+recurrent kernel (fp32 math). The float64 oracle is ``torch_kda.reference.fused_recurrent_kda`` on
+the same bf16-rounded inputs (FLA's measure: the kernel's error, not the inputs' rounding). The
+cases (H = 2, B = 1; same seeds on every machine) go from FLA's initialisation of the gate to very
+slow decays with beta near 1 or 2 (allow_neg_eigval), where rounding the state to bf16 as a
+product operand, in every chunk, adds up. docs/benchmarks.md, "Accuracy of the bf16 products".
+"""
+import math, sys, torch, torch_kda
+
+def cases():
+    def gen(seed, T, K, g_scale, bshift, neg, fla_init):
+        gen = torch.Generator().manual_seed(seed)
+        r = lambda *s: torch.randn(*s, generator=gen)
+        H = 2
+        q, k, v = r(1, T, H, K), r(1, T, H, K), r(1, T, H, K)
+        beta = r(1, T, H) + bshift
+        kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  allow_neg_eigval=neg, output_final_state=True)
+        if fla_init:
+            g = r(1, T, H, K)
+            A_log = torch.empty(H).uniform_(1, 16, generator=gen).log()
+            dt = torch.exp(torch.rand(H * K, generator=gen) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+            kw.update(A_log=A_log, dt_bias=dt + torch.log(-torch.expm1(-dt)), use_gate_in_kernel=True)
+        else:
+            g = -torch.rand(1, T, H, K, generator=gen) * g_scale
+        return [x.bfloat16() for x in (q, k, v, g, beta)], kw
+    yield "K64 T2K g~U(-1e-3,0) beta=2sig(N+3) neg", gen(0, 2048, 64, 1e-3, 3, True, False)
+    yield "K64 T2K g~U(-1e-3,0) beta=sig(N+3)", gen(0, 2048, 64, 1e-3, 3, False, False)
+    yield "K128 T4K g~U(-1e-3,0) beta=sig(N+3)", gen(1, 4096, 128, 1e-3, 3, False, False)
+    yield "K128 T4K g~U(-1e-3,0) beta=2sig(N+2) neg", gen(2, 4096, 128, 1e-3, 2, True, False)
+    yield "K128 T4K FLA init gate, beta=sig(N)", gen(3, 4096, 128, 0, 0, False, True)
+    yield "K128 T4K FLA init gate, beta=2sig(N) neg", gen(4, 4096, 128, 0, 0, True, True)
+
+rel = lambda a, b: ((a.double().cpu() - b).norm() / b.norm()).item()
+for name, (args, kw) in cases():
+    dkw = {n: (x.double() if torch.is_tensor(x) else x) for n, x in kw.items()}
+    ro, rs = torch_kda.reference.fused_recurrent_kda(*[x.double() for x in args], **dkw)
+    line = f"{name:42s}"
+    with torch.no_grad():
+        for b in sys.argv[1:]:
+            if b == "fla":
+                o, s = torch_kda.chunk_kda(*[x.cuda() for x in args], **{n: (x.cuda() if torch.is_tensor(x) else x) for n, x in kw.items()}, backend="fla")
+            elif b == "chunk":
+                o, s = torch_kda.chunk_kda(*args, **kw, backend="native")
+            else:
+                o, s = torch_kda.fused_recurrent_kda(*args, **kw, backend="native")
+            line += f" | {b}: o {rel(o, ro):.2e} state {rel(s, rs):.2e}"
+    print(line, flush=True)

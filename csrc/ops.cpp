@@ -882,7 +882,9 @@ bool check_serving(KDA_SERVING_ARGS, bool probe, Inputs& in, Config& cfg, Dims& 
             : check_shape(kSrv, *fresh, "final_state", {d.N, d.HV, d.K, d.V}, "[N, HV, K, V]", probe);
     if (!shape_ok) return false;
     KDA_RULE(TYPE, fresh->scalar_type() == ct && fresh->is_contiguous(), kSrv,
-             "final_state must be a contiguous ", ct, " tensor, got ", fresh->scalar_type());
+             "final_state must be a contiguous ", ct, " tensor, got a ",
+             fresh->is_contiguous() ? "contiguous " : "non-contiguous ", fresh->scalar_type(),
+             " tensor");
   }
 
   {
@@ -1042,6 +1044,20 @@ void fused_recurrent_serving_cpu(KDA_SERVING_ARGS) {
 
 void fused_recurrent_serving_meta(KDA_SERVING_ARGS) {}  // outputs are the caller's tensors
 
+// The serving ops write out, the pool (in place) and a caller's final_state below autograd's
+// ADInplaceOrView kernel, which is where PyTorch's in-place ops bump a tensor's version: bumped
+// here, so a graph that saved one of them raises at backward ("modified by an inplace
+// operation") instead of computing with the new values. As for PyTorch's own in-place ops, an
+// inference tensor written outside InferenceMode raises.
+void bump_written_versions(const at::Tensor& out, const std::optional<at::Tensor>& initial_state,
+                           bool inplace_final_state, const std::optional<at::Tensor>& final_state) {
+  if (out.defined()) torch::autograd::impl::bump_version(out);
+  if (inplace_final_state && initial_state && initial_state->defined()) {
+    torch::autograd::impl::bump_version(*initial_state);
+  }
+  if (final_state && final_state->defined()) torch::autograd::impl::bump_version(*final_state);
+}
+
 // Serving is inference only: the pool and out are written in place, which autograd cannot follow.
 void fused_recurrent_serving_autograd(KDA_SERVING_ARGS) {
   if (at::GradMode::is_enabled()) {
@@ -1058,8 +1074,11 @@ void fused_recurrent_serving_autograd(KDA_SERVING_ARGS) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kda::fused_recurrent_serving", "")
                        .typed<void(KDA_SERVING_ARGS)>();
-  at::AutoDispatchBelowADInplaceOrView guard;
-  op.call(KDA_SERVING_FORWARD);
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(KDA_SERVING_FORWARD);
+  }
+  bump_written_versions(out, initial_state, inplace_final_state, final_state);
 }
 
 // kda::_fused_recurrent_serving_fast: fused_recurrent_kda's serving call (a state pool through
@@ -1115,6 +1134,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> fused_recurrent_serving_fast(
     std::iota(plan.dst_row.begin(), plan.dst_row.end(), int64_t(0));
   }
   run_serving(in, cfg, d, plan, inplace_final_state ? *in.initial_state : fresh, fresh.defined(), o);
+  bump_written_versions(out_given, initial_state, inplace_final_state, std::nullopt);
   int64_t first = -1;
   if (!use_qk_l2norm_in_kernel) {
     first = first_unstable_write(k, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval ? 2.0 : 1.0);

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 import subprocess
 import sys
 
@@ -206,6 +207,37 @@ def test_prefill_then_decode_with_autograd_equals_full_forward():
     g_full = torch.autograd.grad((full * w).sum(), layer.A_log)[0]
     g_inc = torch.autograd.grad((y * w).sum(), layer.A_log)[0]
     assert rel_err(g_inc, g_full) < TOL64
+
+
+def test_reorder_for_beam_search_equals_decoding_the_chosen_rows():
+    layer = make_layer("reference", seed=13).eval()
+    x = rand((3, 9, 32), seed=14)
+    nxt = rand((4, 1, 32), seed=15)
+    beams = torch.tensor([2, 0, 2, 1])  # row 2 twice (two beams of one parent)
+    with torch.no_grad():
+        cache = KDACache()
+        layer(x, cache=cache)
+        y = layer(nxt, cache=cache.reorder_(beams))
+        for i, parent in enumerate(beams.tolist()):  # each beam alone: its parent's prefix
+            alone = KDACache()
+            layer(x[parent:parent + 1], cache=alone)
+            assert rel_err(y[i:i + 1], layer(nxt[i:i + 1], cache=alone)) < TOL64
+
+
+def test_reorder_rejects_a_bad_index_and_keeps_the_cache():
+    layer = make_layer("reference", seed=16).eval()
+    with torch.no_grad():
+        cache = KDACache()
+        layer(rand((2, 5, 32), seed=17), cache=cache)
+    state = cache.recurrent_state.clone()
+    for bad, exc, words in ((torch.tensor([0, 2]), ValueError, "0 <= i < N = 2 of the cache, got 2"),
+                            (torch.tensor([-1]), ValueError, "got -1"),
+                            ([1, 0], TypeError, "index must be an int64 or int32 tensor, got list"),
+                            (torch.tensor([1.0]), TypeError, "got torch.float32"),
+                            (torch.tensor([[0]]), ValueError, "1-D")):
+        with pytest.raises(exc, match=re.escape(words)):
+            cache.reorder_(bad)
+        assert torch.equal(cache.recurrent_state, state)
 
 
 def test_cache_errors():

@@ -286,6 +286,48 @@ def test_out_is_written_and_returned(backend):
     assert o is out and rel_err(out, o_ref) < TOL
 
 
+def _serving_calls(p, pool, out, final):
+    """The ways to write a pool, out and a final state in place on the native op: the functional
+    API (its C++ fast path), chunk_kda's "auto" (the recurrent serving kernel for one token),
+    and the op itself."""
+    idx = torch.tensor([0, 2])
+    kw = dict(initial_state=pool, ssm_state_indices=idx, inplace_final_state=True, out=out)
+    flags = {n: x for n, x in p.kwargs.items()
+             if n in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+                      "allow_neg_eigval", "lower_bound", "A_log", "dt_bias")}
+    return {
+        "fused_recurrent_kda": lambda: torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, **kw,
+                                                                     backend="native"),
+        "chunk_kda auto": lambda: torch_kda.chunk_kda(*p.args, **p.kwargs, **kw, backend="auto"),
+        "op, in place": lambda: torch.ops.kda.fused_recurrent_serving(
+            *p.args, 0.25, pool, idx, None, out, None, -1, True, **flags),
+        "op, final_state": lambda: torch.ops.kda.fused_recurrent_serving(
+            *p.args, 0.25, pool, idx, None, out, final, -1, False, **flags),
+    }
+
+
+@pytest.mark.parametrize("call", ["fused_recurrent_kda", "chunk_kda auto", "op, in place",
+                                  "op, final_state"])
+def test_native_writes_in_place_bump_versions_as_pytorch_in_place_ops(call):
+    # The native serving op writes below autograd's in-place layer: without the bump, a graph
+    # that saved the pool (or out) backpropagated through the new values without a word.
+    p = _decode_problem(N=2)
+    pool, out = _pool(3, 4, 16, 24, False), torch.empty(2, 1, 4, 24)
+    final = _pool(2, 4, 16, 24, False)
+    w = torch.ones_like(pool, requires_grad=True)
+    saved = (w * pool).sum()  # mul saves pool for its backward
+    before = {n: t._version for n, t in (("pool", pool), ("out", out), ("final", final))}
+    with torch.no_grad():
+        _serving_calls(p, pool, out, final)[call]()
+    assert out._version > before["out"]
+    if call == "op, final_state":
+        assert final._version > before["final"] and pool._version == before["pool"]
+    else:
+        assert pool._version > before["pool"]
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved.backward()
+
+
 # ---- bad input: named errors, and the pool is unchanged ---------------------------------------
 
 def _bad_calls():
@@ -298,6 +340,10 @@ def _bad_calls():
         ("negative index", p, dict(ssm_state_indices=torch.tensor([0, -3])), ValueError, "out of range"),
         ("duplicate slot", p, dict(ssm_state_indices=torch.tensor([4, 4])), ValueError, "two sequences write slot 4"),
         ("float indices", p, dict(ssm_state_indices=torch.tensor([0.0, 1.0])), TypeError, "ssm_state_indices"),
+        ("list of indices", p, dict(ssm_state_indices=[0, 1]), TypeError,
+         "ssm_state_indices must be a torch.Tensor or None, got list"),
+        ("list of accepted counts", spec, dict(ssm_state_indices=idx2d, num_accepted_tokens=[1, 1]),
+         TypeError, "num_accepted_tokens must be a torch.Tensor or None, got list"),
         ("wrong N", p, dict(ssm_state_indices=torch.tensor([0, 1, 2])), ValueError, "ssm_state_indices"),
         ("nat without 2-D", p, dict(ssm_state_indices=torch.tensor([0, 1]), num_accepted_tokens=torch.tensor([1, 1])),
          ValueError, "num_accepted_tokens"),
@@ -313,7 +359,7 @@ def _bad_calls():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", range(10))
+@pytest.mark.parametrize("case", range(len(_bad_calls())))
 def test_bad_serving_input_raises_named_error_and_leaves_pool(backend, case):
     name, p, extra, exc, match = _bad_calls()[case]
     pool = _pool(8, 4, 16, 24, False)

@@ -484,6 +484,10 @@ def check_serving_inputs(
                          f"{tuple(beta.shape)}")
     active = (ssm_state_indices is not None or num_accepted_tokens is not None or inplace_final_state
               or out is not None or headwise or return_intermediate_states)
+    for name, index in (("ssm_state_indices", ssm_state_indices),
+                        ("num_accepted_tokens", num_accepted_tokens)):
+        if index is not None and not isinstance(index, torch.Tensor):  # (a list failed below)
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(index).__name__}")
     if not active:
         x = check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state,
                              use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,

@@ -62,7 +62,26 @@ class KDACache:
 
     def reorder_(self, index: torch.Tensor) -> KDACache:
         """Keep/reorder the sequences along the batch axis (beam search): row ``i`` becomes row
-        ``index[i]`` of the old state. Returns ``self``."""
+        ``index[i]`` of the old state. Returns ``self``.
+
+        Args:
+            index: ``[N']`` int64 or int32 tensor of rows of the held batch, ``0 <= index[i] < N``;
+                rows may repeat (beams that share a parent) or be left out (N' may differ from N).
+
+        Raises:
+            TypeError: ``index`` is not an integer tensor.
+            ValueError: ``index`` is not 1-D, or an entry is outside ``[0, N)``; the cache is left
+                unchanged.
+        """
+        if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int64, torch.int32):
+            what = index.dtype if isinstance(index, torch.Tensor) else type(index).__name__
+            raise TypeError(f"index must be an int64 or int32 tensor, got {what}")
+        if index.dim() != 1:
+            raise ValueError(f"index must be 1-D [N'], got shape {tuple(index.shape)}")
+        held = self.num_sequences
+        if held is not None and index.numel() and not (0 <= int(index.min()) and int(index.max()) < held):
+            bad = index[(index < 0) | (index >= held)][0]
+            raise ValueError(f"index entries must be rows 0 <= i < N = {held} of the cache, got {int(bad)}")
         if self.recurrent_state is not None:
             self.recurrent_state = self.recurrent_state.index_select(0, index.to(self.recurrent_state.device))
         if self.conv_state is not None:

@@ -10,6 +10,8 @@ package's ``__path__``: a regular install has one (site-packages/torch_kda); an 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -267,7 +269,16 @@ def _threads() -> int:
 def chunk_bf16_products(dtype: torch.dtype, K: int, V: int) -> bool:
     """Whether ``torch.ops.kda.chunk`` would take bf16 state products on the CPU's matrix engine
     (AMX) for inputs of ``dtype`` and head sizes ``K``, ``V`` (the op's own choice, the
-    TORCH_KDA_CHUNK_PRODUCTS knob included). Raises ValueError on an unknown knob value."""
+    TORCH_KDA_CHUNK_PRODUCTS knob included, read at each call). Raises ValueError on an unknown
+    knob value."""
+    return _op_bf16_products(os.environ.get("TORCH_KDA_CHUNK_PRODUCTS"), dtype, K, V)
+
+
+# The op's answer depends only on the knob's value (part of the key: the op reads it itself) and
+# on the CPU: asked once per key, not on every chunk_kda call of backend="auto" (3 us per call of
+# the op). A bad knob value raises on every call (lru_cache keeps no exceptions).
+@functools.lru_cache(maxsize=64)
+def _op_bf16_products(knob: Optional[str], dtype: torch.dtype, K: int, V: int) -> bool:
     return bool(torch.ops.kda._chunk_bf16_products(dtype, K, V))
 
 

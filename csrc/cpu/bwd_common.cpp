@@ -1,8 +1,13 @@
 // What the two CPU backwards (csrc/cpu/recurrent_bwd.cpp: the reverse recurrence; csrc/cpu/
-// chunk_bwd.cpp: the chunkwise form) share: the set-up (checks, recomputed pre-processing,
-// sequences, states and gradients in the compute dtype) and the chain rule from the kernels'
-// gradients w.r.t. the pre-processed inputs to the op's inputs (docs/math.md "Backward",
-// "Through the pre-processing").
+// chunk_bwd.cpp: the chunkwise form) share: the set-up (checks, sequences, states and gradients
+// in the compute dtype), the token blocks (the recomputed pre-processing, the kernels' partial
+// gradients and the chain rule of a few whole chunks at a time, last first, in a workspace that
+// stays in cache) and the chain rule from the kernels' gradients w.r.t. the pre-processed inputs
+// to the op's inputs (docs/math.md "Backward", "Through the pre-processing").
+//
+// Token blocks: nothing full-size is allocated besides the outputs (no page-fault storm per call,
+// no round trip of full-size pre-processed arrays through memory); the gradient of the state
+// carries across blocks in dh0, and every output is written once.
 //
 // Determinism: every value is computed by one thread and every sum runs in a fixed order, so
 // results are bitwise identical for any thread count.
@@ -35,6 +40,25 @@ inline T sum_k(int64_t K, F term) {
   for (int l = 0; i < K; ++i, ++l) s[l] += term(i);
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
+
+// Arguments of the chain rule (chain_rule_tokens).
+template <typename T>
+struct ChainArgs {
+  int64_t BT = 0, H = 0, HV = 0, K = 0, groups = 1;
+  const T *dq_p = nullptr, *dk_p = nullptr, *dg_p = nullptr, *db_p = nullptr;  // [P, BT, HV, *]
+  const T* q = nullptr;       // [BT, H, K] raw q (compute dtype)
+  const T* q_rnorm = nullptr; // [BT, H] or null (no l2 norm)
+  const T* k_hm = nullptr;    // [H, BT, K] khat
+  const T* k_rnorm = nullptr; // [BT, H] or null
+  const T* g = nullptr;       // [BT, HV, K] log decay (softplus gate) or raw gate input (bounded)
+  const T* gate_s = nullptr;  // [BT, HV, K] sigmoid of the gate, or null (no gate in the op)
+  const T* expA = nullptr;    // [HV] exp(A_log) or null
+  const T* bias = nullptr;    // [HV * K] dt_bias or null
+  const T* beta = nullptr;    // [HV, BT] write strength (after the sigmoid)
+  bool softplus = false, beta_sigmoid = false;
+  T scale = 1, lower_bound = 0, beta_c = 1;
+  T *dq = nullptr, *dk = nullptr, *dg = nullptr, *dbeta = nullptr, *dA_rows = nullptr;
+};
 
 // The chain rule from the kernels' gradients to the op's inputs, one pass over tokens (it was ~20
 // separate ATen ops over [B*T, HV, K] arrays): the sums over the V-slice groups p (partials of
@@ -160,97 +184,21 @@ at::Tensor column_sums(const at::Tensor& x2d) {
   return out;
 }
 
-}  // namespace
-
+// (kda_cpu.h, BwdSetup)
 BwdSetup backward_setup(const at::Tensor& d_o, const std::optional<at::Tensor>& d_final_state,
-                        const at::Tensor& checkpoints, const Inputs& in, const Config& cfg,
-                        bool with_prepared) {
+                        const at::Tensor& checkpoints, const Inputs& in, const Config& cfg) {
   BwdSetup s;
   s.d = check_inputs(in, cfg, /*check_values=*/true);
   const auto ct = compute_dtype(in.q);
-  const int64_t BT = s.d.B * s.d.T;
-  if (with_prepared) s.p = preprocess(in, cfg, s.d, /*for_backward=*/true);
   s.seqs = make_sequences(in, s.d);
   s.h0 = state_kv(in.initial_state, cfg, ct);
   s.dht = state_kv(d_final_state, cfg, ct);
-  // 16-bit grad_o: widened into a reused block of the output cache (not a fresh full-size copy),
-  // or by the recurrent backward's blocks.
-  s.dout = to_output(d_o, with_prepared ? ct : d_o.scalar_type()).reshape({BT, s.d.HV, s.d.V});
+  s.dout = to_output(d_o, d_o.scalar_type()).reshape({s.d.B * s.d.T, s.d.HV, s.d.V});
   s.ckpt = to_output(checkpoints, ct);
   return s;
 }
 
-std::vector<at::Tensor> backward_finish(const BwdSetup& s, const KernelGrads& kg,
-                                        const Inputs& in, const Config& cfg) {
-  const Dims& d = s.d;
-  const Prepared& p = s.p;
-  const auto ct = compute_dtype(in.q);
-  const int64_t BT = d.B * d.T;
-  const int64_t groups = kg.groups;
-  const auto opts = in.q.options().dtype(ct);
-  // With one partial, the chain rule runs in place (chain_rule_tokens reads a token's partial
-  // rows before it writes the same rows): no fresh full-size arrays, no page faults for them.
-  // dq and dk also need one value head per key head (no grouped heads to sum).
-  const bool in_place = groups == 1;
-  const bool qk_in_place = in_place && d.HV == d.H;
-  InputGrads o;
-  o.dq = qk_in_place ? kg.dq.view({BT, d.H, d.K}) : empty_output({BT, d.H, d.K}, opts);
-  o.dk = qk_in_place ? kg.dk.view({BT, d.H, d.K}) : empty_output({BT, d.H, d.K}, opts);
-  if (!qk_in_place) {
-    advise_huge_pages(o.dq);
-    advise_huge_pages(o.dk);
-  }
-  o.dg = in_place ? kg.dg.view({BT, d.HV, d.K}) : empty_output({BT, d.HV, d.K}, opts);
-  o.dbeta = in_place ? kg.dbeta.view({BT, d.HV}) : empty_output({BT, d.HV}, opts);
-  if (!in_place) advise_huge_pages(o.dg);
-  if (cfg.use_gate_in_kernel && in.A_log) o.dA_rows = at::empty({BT, d.HV}, opts);
-  o.dv = kg.dv;
-  o.dh0 = kg.dh0;
-  const bool gate = cfg.use_gate_in_kernel;
-  at::Tensor expA, bias;
-  if (gate && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
-  if (gate && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
-  auto chain = [&](auto zero) {
-    using T = decltype(zero);
-    ChainArgs<T> C;
-    C.BT = BT;
-    C.H = d.H;
-    C.HV = d.HV;
-    C.K = d.K;
-    C.groups = groups;
-    C.dq_p = kg.dq.data_ptr<T>();
-    C.dk_p = kg.dk.data_ptr<T>();
-    C.dg_p = kg.dg.data_ptr<T>();
-    C.db_p = kg.dbeta.data_ptr<T>();
-    C.q = p.q_in.data_ptr<T>();
-    C.q_rnorm = cfg.use_qk_l2norm_in_kernel ? p.q_rnorm.data_ptr<T>() : nullptr;
-    C.k_hm = p.k_hm.data_ptr<T>();
-    C.k_rnorm = cfg.use_qk_l2norm_in_kernel ? p.k_rnorm.data_ptr<T>() : nullptr;
-    C.g = gate ? (cfg.lower_bound ? p.g_in.data_ptr<T>() : p.g.data_ptr<T>()) : nullptr;
-    C.gate_s = gate ? p.gate_s.data_ptr<T>() : nullptr;
-    C.expA = expA.defined() ? expA.data_ptr<T>() : nullptr;
-    C.bias = bias.defined() ? bias.data_ptr<T>() : nullptr;
-    C.beta = p.beta_hm.data_ptr<T>();
-    C.softplus = gate && !cfg.lower_bound;
-    C.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
-    C.scale = static_cast<T>(cfg.scale);
-    C.lower_bound = static_cast<T>(cfg.lower_bound.value_or(0.0));
-    C.beta_c = cfg.allow_neg_eigval ? T(2) : T(1);
-    C.dq = o.dq.data_ptr<T>();
-    C.dk = o.dk.data_ptr<T>();
-    C.dg = o.dg.data_ptr<T>();
-    C.dbeta = o.dbeta.data_ptr<T>();
-    C.dA_rows = o.dA_rows.defined() ? o.dA_rows.data_ptr<T>() : nullptr;
-    at::parallel_for(0, BT, 16, [&](int64_t b, int64_t e) { chain_rule_tokens<T>(C, b, e); });
-  };
-  if (ct == at::kDouble) {
-    chain(0.0);
-  } else {
-    chain(0.0f);
-  }
-  return backward_outputs(o, d, in, cfg);
-}
-
+// Fresh (uninitialised) InputGrads, 2 MB page advice on the large ones.
 InputGrads empty_input_grads(const Dims& d, const Inputs& in, const Config& cfg) {
   const auto opts = in.q.options().dtype(compute_dtype(in.q));
   const int64_t BT = d.B * d.T;
@@ -270,6 +218,17 @@ InputGrads empty_input_grads(const Dims& d, const Inputs& in, const Config& cfg)
   return o;
 }
 
+// The chain rule (chain_rule_tokens) over the rows of one token block: C's block arrays
+// (partials, rnorms, khat, gate values, beta; BT = the block's row stride) are read at the row,
+// G's arrays at the global token (row + shift[n]); q or g at the row too when q_in_block /
+// g_in_block (block buffers of widened 16-bit inputs).
+template <typename T>
+struct ChainGlobals {
+  const T* q = nullptr;  // [B*T, H, K] raw q (compute dtype), or null (no l2 norm)
+  const T* g = nullptr;  // [B*T, HV, K] raw gate input (bounded gate), or null: C.g is used
+  bool q_in_block = false, g_in_block = false;
+  T *dq = nullptr, *dk = nullptr, *dg = nullptr, *dbeta = nullptr, *dA_rows = nullptr;
+};
 template <typename T>
 void chain_rule_rows(const ChainArgs<T>& C, const BlockRows& rows, const ChainGlobals<T>& G) {
   const int64_t H = C.H, HV = C.HV, K = C.K;
@@ -286,11 +245,8 @@ void chain_rule_rows(const ChainArgs<T>& C, const BlockRows& rows, const ChainGl
     chain_rule_tokens<T>(Cn, b, stop);
   });
 }
-template void chain_rule_rows<float>(const ChainArgs<float>&, const BlockRows&,
-                                     const ChainGlobals<float>&);
-template void chain_rule_rows<double>(const ChainArgs<double>&, const BlockRows&,
-                                      const ChainGlobals<double>&);
-
+// The sums over tokens (dA_log, dt_bias, in token order) and the op's outputs in the inputs'
+// dtypes and shapes.
 std::vector<at::Tensor> backward_outputs(const InputGrads& o, const Dims& d, const Inputs& in,
                                          const Config& cfg) {
   const auto ct = compute_dtype(in.q);
@@ -327,6 +283,237 @@ std::vector<at::Tensor> backward_outputs(const InputGrads& o, const Dims& d, con
   out[7] = dbias.defined() ? dbias.reshape(in.dt_bias->sizes()).to(in.dt_bias->scalar_type())
                            : at::empty({0}, opts);
   return out;
+}
+
+
+// Chunks of kChunk tokens per backward block: the block's pre-processed rows, partials and chain
+// rule inputs take about kBudget bytes (cache-resident, reused). A function of the shapes only.
+int64_t chunks_per_block(const Dims& d, int64_t groups, bool with_ak, const Config& cfg,
+                         size_t elt) {
+  constexpr int64_t kBudget = int64_t(8) << 20;
+  int64_t per_token = (2 * d.H + d.HV) * d.K + d.HV;               // q, k, decay, beta
+  if (with_ak) per_token += d.HV * d.K;                            // decay * k
+  if (cfg.use_qk_l2norm_in_kernel) per_token += 2 * d.H;           // 1/||q||, 1/||k||
+  if (cfg.use_gate_in_kernel) per_token += 2 * d.HV * d.K;         // log decay, gate sigmoid
+  per_token += groups * (3 * d.HV * d.K + d.HV);                   // partials of dq, dk, dg, dbeta
+  per_token *= static_cast<int64_t>(elt);
+  return std::max<int64_t>(1, std::min<int64_t>(64, kBudget / (per_token * kernels::kChunk)));
+}
+
+}  // namespace
+
+template <typename T>
+void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
+                     const InputGrads& out, const BwdBlockKernel<T>& kernel) {
+  const Dims& d = s.d;
+  const Sequences& seqs = s.seqs;
+  const auto ct = compute_dtype(in.q);
+  const auto opts = in.q.options().dtype(ct);
+  const int64_t BT = d.B * d.T, H = d.H, HV = d.HV, K = d.K;
+  constexpr int64_t C = kernels::kChunk;
+  const bool gate = cfg.use_gate_in_kernel;
+  const bool l2 = cfg.use_qk_l2norm_in_kernel;
+  // bf16 / fp16 q, k, g and beta of an fp32 backward are read as they are by the pre-processing
+  // pass, which widens them in registers (as the forward's token blocks); raw q (l2 norm) and the
+  // bounded gate's raw input, which the chain rule reads, are widened into block buffers, and so
+  // are v and grad_o when either is not in the compute dtype: no full-size copies. Other mixes
+  // (fp32 under fp64 q) are converted whole into blocks of the output cache.
+  const auto q_st = storage_of(in.q.scalar_type(), ct), g_st = storage_of(in.g.scalar_type(), ct),
+             b_st = storage_of(in.beta.scalar_type(), ct);
+  const bool direct = q_st && g_st && b_st;
+  const bool q_block = direct && *q_st != kernels::Storage::kCompute && l2;
+  const bool g_block = direct && *g_st != kernels::Storage::kCompute && gate && cfg.lower_bound;
+  auto input = [&](const at::Tensor& t, bool as_is) {
+    return to_output(t, as_is ? t.scalar_type() : ct);  // contiguous
+  };
+  const at::Tensor q_c = input(in.q, direct), k_c = input(in.k, direct);
+  const at::Tensor g_c = input(in.g, direct), b_c = input(in.beta, direct);
+  const bool vo_block = in.v.scalar_type() != ct || s.dout.scalar_type() != ct;
+  const at::Tensor v_in = input(in.v, vo_block).reshape({BT, HV * d.V});
+  const at::Tensor do_in = s.dout.reshape({BT, HV * d.V});  // contiguous, its own dtype
+  at::Tensor expA, bias;
+  if (gate && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
+  if (gate && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
+
+  const int64_t groups = kernel.groups;
+  const int64_t cb = chunks_per_block(d, groups, kernel.with_ak, cfg, sizeof(T));
+  // Sequence n covers chunks [cf[n], cf[n] + nc[n]) (numbered from its origin).
+  std::vector<int64_t> cf(d.N, 0), nc(d.N, 0);
+  int64_t n_blocks = 1, nb = 0;
+  for (int64_t n = 0; n < d.N; ++n) {
+    const int64_t ts = seqs.start[n], te = seqs.end[n], origin = seqs.origin[n];
+    if (ts == te) continue;
+    cf[n] = (ts - origin) / C;
+    nc[n] = (te - 1 - origin) / C - cf[n] + 1;
+    n_blocks = std::max(n_blocks, (nc[n] + cb - 1) / cb);
+    nb += std::min(te - ts, cb * C);
+  }
+  nb = std::max<int64_t>(1, nb);
+
+  // The block workspace: pre-processed rows, chain-rule inputs, per-group partials. From the
+  // output cache (csrc/cpu/output_cache.h), as the forward's: glibc hands heap blocks of a few MB
+  // back to the system when it trims its heap, and the next call faulted them in again.
+  const at::Tensor ws_q = empty_output({H, nb, K}, opts), ws_k = empty_output({H, nb, K}, opts);
+  const at::Tensor ws_a = empty_output({HV, nb, K}, opts);
+  at::Tensor ws_ak;
+  if (kernel.with_ak) ws_ak = empty_output({HV, nb, K}, opts);
+  const at::Tensor ws_b = empty_output({HV, nb}, opts);
+  at::Tensor ws_qr, ws_kr, ws_g, ws_s;
+  if (l2) ws_qr = empty_output({nb, H}, opts), ws_kr = empty_output({nb, H}, opts);
+  if (gate) {
+    ws_s = empty_output({nb, HV, K}, opts);
+    if (!cfg.lower_bound) ws_g = empty_output({nb, HV, K}, opts);  // the softplus gate's log decay
+  }
+  const at::Tensor dq_p = empty_output({groups, nb, HV, K}, opts);
+  const at::Tensor dk_p = empty_output({groups, nb, HV, K}, opts);
+  const at::Tensor dg_p = empty_output({groups, nb, HV, K}, opts);
+  const at::Tensor db_p = empty_output({groups, nb, HV}, opts);
+  // Block buffers of the widened inputs (rows of the block, as the pre-processed arrays), parts
+  // of one block of the output cache: each alone is often under its 1 MB threshold (512 KB at
+  // H16), and glibc mapped and unmapped such blocks call after call (~1.4K faults at T8K H16).
+  const int64_t q_cols = q_block ? H * K : 0, g_cols = g_block ? HV * K : 0;
+  const int64_t vo_cols = vo_block ? HV * d.V : 0;
+  const at::Tensor in_ws = empty_output({nb * (q_cols + g_cols + 2 * vo_cols)}, opts);
+  int64_t in_off = 0;
+  auto part = [&](int64_t cols) {
+    at::Tensor t = in_ws.narrow(0, in_off, nb * cols).view({nb, cols});
+    in_off += nb * cols;
+    return t;
+  };
+  const at::Tensor q_w = part(q_cols), g_w = part(g_cols), v_w = part(vo_cols), do_w = part(vo_cols);
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; };
+
+  kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, nb);
+  if (direct) {
+    P.q_store = *q_st;
+    P.g_store = *g_st;
+    P.beta_store = *b_st;
+  }
+  set_prep_inputs(P, q_c, k_c, g_c, b_c);
+  P.expA = ptr(expA);
+  P.dt_bias = ptr(bias);
+  P.q_out = ws_q.data_ptr<T>();
+  P.k_out = ws_k.data_ptr<T>();
+  P.a_out = ws_a.data_ptr<T>();
+  P.ak_out = ptr(ws_ak);
+  P.beta_out = ws_b.data_ptr<T>();
+  P.q_rnorm = ptr(ws_qr);
+  P.k_rnorm = ptr(ws_kr);
+  P.g_out = ptr(ws_g);
+  P.s_out = ptr(ws_s);
+
+  BlockRows rows(d.N);
+  std::vector<int64_t> re(d.N);
+  kernels::BwdArgs<T> A;
+  A.seqs = seq_info(seqs);
+  A.seqs.shift = rows.shift.data();
+  A.seqs.vo_shift = vo_block ? rows.shift.data() : nullptr;
+  A.BT = nb;
+  A.H = H;
+  A.HV = HV;
+  A.K = K;
+  A.V = d.V;
+  A.q = P.q_out;
+  A.k = P.k_out;
+  A.a = P.a_out;
+  A.ak = P.ak_out;
+  A.beta = P.beta_out;
+  A.v = vo_block ? v_w.data_ptr<T>() : v_in.data_ptr<T>();
+  A.h0 = ptr(s.h0);
+  A.ckpt = s.ckpt.numel() > 0 ? s.ckpt.data_ptr<T>() : nullptr;
+  A.dout = vo_block ? do_w.data_ptr<T>() : do_in.data_ptr<T>();
+  A.dht = ptr(s.dht);
+  A.dq = dq_p.data_ptr<T>();
+  A.dk = dk_p.data_ptr<T>();
+  A.dg = dg_p.data_ptr<T>();
+  A.dbeta = db_p.data_ptr<T>();
+  A.group_stride = nb * HV * K;
+  A.group_stride_beta = nb * HV;
+  A.dv = out.dv.data_ptr<T>();
+  A.dh0 = out.dh0.data_ptr<T>();
+
+  // The chain rule reads the block arrays at the row and the caller's arrays (raw q, the bounded
+  // gate's raw input; the outputs) at the global token: those pointers move by shift[n].
+  ChainArgs<T> Cb;
+  Cb.BT = nb;
+  Cb.H = H;
+  Cb.HV = HV;
+  Cb.K = K;
+  Cb.groups = groups;
+  Cb.dq_p = A.dq;
+  Cb.dk_p = A.dk;
+  Cb.dg_p = A.dg;
+  Cb.db_p = A.dbeta;
+  Cb.q_rnorm = P.q_rnorm;
+  Cb.k_hm = P.k_out;
+  Cb.k_rnorm = P.k_rnorm;
+  Cb.gate_s = P.s_out;
+  Cb.expA = P.expA;
+  Cb.bias = P.dt_bias;
+  Cb.beta = P.beta_out;
+  Cb.softplus = gate && !cfg.lower_bound;
+  Cb.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
+  Cb.scale = static_cast<T>(cfg.scale);
+  Cb.lower_bound = static_cast<T>(cfg.lower_bound.value_or(0.0));
+  Cb.beta_c = cfg.allow_neg_eigval ? T(2) : T(1);
+  Cb.g = P.g_out;  // the softplus gate's log decay (block rows)
+  ChainGlobals<T> G;
+  // Raw q (l2 norm) and the bounded gate's raw input: the caller's arrays, or block buffers.
+  G.q_in_block = q_block;
+  G.g_in_block = g_block;
+  if (l2) G.q = q_block ? q_w.data_ptr<T>() : q_c.data_ptr<T>();
+  if (gate && cfg.lower_bound) G.g = g_block ? g_w.data_ptr<T>() : g_c.data_ptr<T>();
+  G.dq = out.dq.data_ptr<T>();
+  G.dk = out.dk.data_ptr<T>();
+  G.dg = out.dg.data_ptr<T>();
+  G.dbeta = out.dbeta.data_ptr<T>();
+  G.dA_rows = ptr(out.dA_rows);
+
+  for (int64_t j = n_blocks - 1; j >= 0; --j) {
+    int64_t used = 0;
+    for (int64_t n = 0; n < d.N; ++n) {
+      const int64_t ts = seqs.start[n], te = seqs.end[n], origin = seqs.origin[n];
+      const int64_t c0 = cf[n] + j * cb;
+      rows.rs[n] = std::clamp(origin + c0 * C, ts, te);
+      re[n] = std::clamp(origin + (c0 + cb) * C, ts, te);
+      rows.loc[n] = used;
+      rows.shift[n] = rows.rs[n] - used;
+      used += re[n] - rows.rs[n];
+    }
+    rows.loc[d.N] = used;
+    if (q_block) copy_block_rows(q_w, q_c.reshape({BT, H * K}), rows);
+    if (g_block) copy_block_rows(g_w, g_c.reshape({BT, HV * K}), rows);
+    if (vo_block) {
+      copy_block_rows(v_w, v_in, rows);
+      copy_block_rows(do_w, do_in, rows);
+    }
+    FirstBad bad;
+    prep_block<T>(P, rows, /*shifted_inputs=*/false, bad);
+    report_domain(bad, in, cfg, d);
+    kernel.run_block(A, rows.rs, re, j);
+    // The chain rule over the block's rows, written to the outputs at the global tokens.
+    chain_rule_rows<T>(Cb, rows, G);
+  }
+}
+template void run_bwd_blocked<float>(const Inputs&, const Config&, const BwdSetup&,
+                                     const InputGrads&, const BwdBlockKernel<float>&);
+template void run_bwd_blocked<double>(const Inputs&, const Config&, const BwdSetup&,
+                                      const InputGrads&, const BwdBlockKernel<double>&);
+
+std::vector<at::Tensor> run_backward(const at::Tensor& d_o,
+                                     const std::optional<at::Tensor>& d_final_state,
+                                     const at::Tensor& checkpoints, const Inputs& in,
+                                     const Config& cfg, BackwardRunner<float> run_float,
+                                     BackwardRunner<double> run_double) {
+  const BwdSetup s = backward_setup(d_o, d_final_state, checkpoints, in, cfg);
+  // The outputs, written once (in the compute dtype; converted at the end only for other dtypes).
+  const InputGrads o = empty_input_grads(s.d, in, cfg);
+  if (compute_dtype(in.q) == at::kDouble) {
+    run_double(in, cfg, s, o);
+  } else {
+    run_float(in, cfg, s, o);
+  }
+  return backward_outputs(o, s.d, in, cfg);
 }
 
 }  // namespace detail

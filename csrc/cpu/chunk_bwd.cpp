@@ -6,9 +6,10 @@
 // then applies the backward of the chunk formulas, which gives the gradients of the chunk's
 // tokens w.r.t. the pre-processed inputs and the gradient of the state entering the chunk (passed
 // on to the previous chunk). Matrix products go through chunk::gemm; the rest is short loops over
-// K or V channels in a per-thread workspace. The chain rule through the pre-processing (l2 norm,
-// gates, sigmoid beta, grouped heads) is csrc/cpu/bwd_common.cpp, shared with the recurrent
-// backward.
+// K or V channels in a per-thread workspace. The units run in the token blocks of
+// csrc/cpu/bwd_common.cpp (run_bwd_blocked, shared with the recurrent backward), which also
+// pre-processes each block's rows and runs the chain rule through the pre-processing (l2 norm,
+// gates, sigmoid beta, grouped heads) over them.
 //
 // The channel loops carry KDA_IVDEP (chunk_vec.h): their rows are distinct, but GCC cannot prove
 // it through the workspace struct and left them scalar (measured: the diagonal-block pair loop,
@@ -172,27 +173,11 @@ struct BwdProducts {
   }
 };
 
-template <typename T>
-struct UnitArgs {
-  int64_t BT = 0, H = 0, HV = 0, K = 0, V = 0;
-  const Sequences* seqs = nullptr;
-  const T* q = nullptr;     // [H, BT, K]  scale * qhat
-  const T* k = nullptr;     // [H, BT, K]  khat
-  const T* a = nullptr;     // [HV, BT, K] exp(g)
-  const T* beta = nullptr;  // [HV, BT]
-  const T* v = nullptr;     // [BT, HV, V]
-  const T* h0 = nullptr;    // [N, HV, K, V] or null
-  const T* ckpt = nullptr;  // [slots, HV, K, V]
-  const T* dout = nullptr;  // [BT, HV, V]
-  const T* dht = nullptr;   // [N, HV, K, V] or null
-  T* dq = nullptr;          // [BT, HV, K] w.r.t. scale * qhat
-  T* dk = nullptr;          // [BT, HV, K] w.r.t. khat
-  T* dg = nullptr;          // [BT, HV, K] w.r.t. the log decay
-  T* dbeta = nullptr;       // [BT, HV]
-  T* dv = nullptr;          // [BT, HV, V]
-  T* dh0 = nullptr;         // [N, HV, K, V]
+// Where one chunk's rows are: its first token, and the rows of that token in the block arrays
+// (the pre-processed inputs and the partials) and in v and grad_o (run_bwd_blocked's rows).
+struct ChunkAt {
+  int64_t token = 0, row = 0, vo_row = 0;
 };
-
 
 // The pairs j <= i of the diagonal block [b0, b1) in the direct form: exp(G_i - G_j) is the
 // running product a_{j+1}..a_i. Adds to dq and dk (with kWithQK) and to dgx: pair (i, j) reaches
@@ -406,13 +391,14 @@ KDA_ALWAYS_INLINE void state_products_bf16(const chunk::ChunkIn<float>& c,
   gemm16(p, n, ncol, V, bp.x, V, bp.slot[2], bw.dam + kC, 2 * kC, /*add=*/false);
 }
 
-// The backward of one chunk (docs/math.md "Chunkwise backward"), tokens [s0, s0 + c.n) of value
-// head hv: S0 the state entering the chunk (null: zeros), bw.dS the gradient w.r.t. the state
+// The backward of one chunk (docs/math.md "Chunkwise backward"), tokens [place.token,
+// place.token + c.n) of value head hv: S0 the state entering the chunk (null: zeros), bw.dS the gradient w.r.t. the state
 // leaving it on entry and w.r.t. the state entering it on return. bp: the bf16 products' parts
 // (null: the compute dtype's products).
 template <typename T>
-KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c, int64_t s0, int64_t hv,
-                    const T* S0, chunk::ChunkWork<T>& cw, BwdWork<T>& bw, BwdProducts* bp) {
+KDA_CLONES void chunk_backward(const kernels::BwdArgs<T>& A, const chunk::ChunkIn<T>& c,
+                               const ChunkAt& place, int64_t hv, const T* S0,
+                               chunk::ChunkWork<T>& cw, BwdWork<T>& bw, BwdProducts* bp) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V, HV = A.HV;
   const int64_t nb = (n + kSub - 1) / kSub;
   if (!S0) {
@@ -458,7 +444,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
       }
     }
   }
-  const T* dO = A.dout + (s0 * HV + hv) * V;
+  const T* dO = A.dout + (place.vo_row * HV + hv) * V;
   for (int64_t i = 0; i < n; ++i) std::memcpy(bw.X + i * V, dO + i * HV * V, sizeof(T) * V);
   if constexpr (std::is_same_v<T, float>) {
     if (bp) {
@@ -511,7 +497,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
     T* __restrict dk = bw.dk + i * K;
     double* __restrict dG = bw.dG + i * K;
     double* __restrict dgx = bw.dgx + i * K;
-    T* __restrict dv = A.dv + ((s0 + i) * HV + hv) * V;
+    T* __restrict dv = A.dv + ((place.token + i) * HV + hv) * V;
     T* __restrict gk = bw.run2;  // Gam_i . k_i
     double* __restrict kacc = bw.acc + K;
     for (int64_t e = 0; e < V; ++e) dv[e] = b * dbv[e];
@@ -526,7 +512,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
       dgx[d] = kacc[d];
       kacc[d] += static_cast<double>(kd[d] * dkd[d]);
     }
-    A.dbeta[(s0 + i) * HV + hv] = db + dot(dbv, vi, V) - dot(dnr, gk, K);
+    A.dbeta[(place.row + i) * HV + hv] = db + dot(dbv, vi, V) - dot(dnr, gk, K);
   }
   for (int64_t d = 0; d < K; ++d) bw.dG[(n - 1) * K + d] += bw.acc[d];
 
@@ -673,7 +659,7 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
   double* __restrict acc = bw.acc;
   for (int64_t d = 0; d < K; ++d) acc[d] = 0.0;
   for (int64_t i = n - 1; i >= 0; --i) {
-    const int64_t row = ((s0 + i) * HV + hv) * K;
+    const int64_t row = ((place.row + i) * HV + hv) * K;
     const T* __restrict ai = c.a + i * K;
     const double* __restrict dG = bw.dG + i * K;
     const double* __restrict dgx = bw.dgx + i * K;
@@ -693,70 +679,60 @@ KDA_CLONES void chunk_backward(const UnitArgs<T>& A, const chunk::ChunkIn<T>& c,
   std::swap(bw.dS, bw.dSnew);  // dS w.r.t. the state entering the chunk, for the chunk before
 }
 
-// All chunks of value head hv of sequence n, last first.
+// The chunks of tokens [t0, t1) (whole chunks but at the sequence's ends) of value head hv of
+// sequence n, last first. The gradient w.r.t. the state comes from dht (the range that ends the
+// sequence; zero without it) or dh0 (a later range ran before) and goes back to dh0.
 template <typename T>
-void bwd_unit(const UnitArgs<T>& A, int64_t n, int64_t hv, chunk::ChunkWork<T>& cw,
-              BwdWork<T>& bw, BwdProducts* bp) {
+void bwd_unit(const kernels::BwdArgs<T>& A, int64_t n, int64_t hv, int64_t t0, int64_t t1,
+              chunk::ChunkWork<T>& cw, BwdWork<T>& bw, BwdProducts* bp) {
   const int64_t K = A.K, V = A.V, HV = A.HV, BT = A.BT;
   const int64_t h = hv / (HV / A.H);
-  const int64_t ts = A.seqs->start[n], te = A.seqs->end[n];
-  const int64_t origin = A.seqs->origin[n], slot_base = A.seqs->slot_base[n];
+  const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
+  const int64_t origin = A.seqs.origin[n], slot_base = A.seqs.slot_base[n];
+  const int64_t shift = A.seqs.shift ? A.seqs.shift[n] : 0;
+  const int64_t vo_shift = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
   const int64_t state_off = (n * HV + hv) * K * V;
-  if (A.dht) {
-    std::memcpy(bw.dS, A.dht + state_off, sizeof(T) * K * V);
+  const T* src = t1 == te ? A.dht : A.dh0;
+  if (src) {
+    std::memcpy(bw.dS, src + state_off, sizeof(T) * K * V);
   } else {
     std::fill(bw.dS, bw.dS + K * V, T(0));
   }
-  if (ts < te) {
-    const int64_t c_first = (ts - origin) / kC, c_last = (te - 1 - origin) / kC;
+  if (t0 < t1) {
+    const int64_t c_first = (t0 - origin) / kC, c_last = (t1 - 1 - origin) / kC;
     for (int64_t ci = c_last; ci >= c_first; --ci) {
-      const int64_t s0 = std::max(ts, origin + ci * kC);
-      const int64_t e = std::min(te, origin + (ci + 1) * kC);
+      const int64_t s0 = std::max(t0, origin + ci * kC);
+      const int64_t e = std::min(t1, origin + (ci + 1) * kC);
       // The state entering the chunk: the initial state at the sequence start (its checkpoint
       // slot may belong to another sequence with cu_seqlens), else the checkpoint.
       const T* S0 = s0 == ts ? (A.h0 ? A.h0 + state_off : nullptr)
                              : A.ckpt + ((slot_base + ci) * HV + hv) * K * V;
+      const ChunkAt place{s0, s0 - shift, s0 - vo_shift};
       chunk::ChunkIn<T> c;
       c.n = e - s0;
       c.K = K;
       c.V = V;
-      c.q = A.q + (h * BT + s0) * K;
-      c.k = A.k + (h * BT + s0) * K;
-      c.a = A.a + (hv * BT + s0) * K;
-      c.beta = A.beta + hv * BT + s0;
-      c.v = A.v + (s0 * HV + hv) * V;
+      c.q = A.q + (h * BT + place.row) * K;
+      c.k = A.k + (h * BT + place.row) * K;
+      c.a = A.a + (hv * BT + place.row) * K;
+      c.beta = A.beta + hv * BT + place.row;
+      c.v = A.v + (place.vo_row * HV + hv) * V;
       c.ldv = HV * V;
-      chunk_backward(A, c, s0, hv, S0, cw, bw, bp);
+      chunk_backward(A, c, place, hv, S0, cw, bw, bp);
     }
   }
   std::memcpy(A.dh0 + state_off, bw.dS, sizeof(T) * K * V);
 }
 
+// The chunk kernels in the backward's token blocks (run_bwd_blocked): units are (sequence, value
+// head), one partial (a unit owns all columns of its head).
 template <typename T>
-void run_chunk_bwd(const BwdSetup& s, const KernelGrads& kg, chunk::Products products) {
+void run_chunk_bwd(const Inputs& in, const Config& cfg, const BwdSetup& s,
+                   const InputGrads& out) {
   const Dims& d = s.d;
-  UnitArgs<T> A;
-  A.BT = d.B * d.T;
-  A.H = d.H;
-  A.HV = d.HV;
-  A.K = d.K;
-  A.V = d.V;
-  A.seqs = &s.seqs;
-  A.q = s.p.q.data_ptr<T>();
-  A.k = s.p.k_hm.data_ptr<T>();
-  A.a = s.p.a.data_ptr<T>();
-  A.beta = s.p.beta_hm.data_ptr<T>();
-  A.v = s.p.v.data_ptr<T>();
-  A.h0 = s.h0.defined() ? s.h0.data_ptr<T>() : nullptr;
-  A.ckpt = s.ckpt.numel() > 0 ? s.ckpt.data_ptr<T>() : nullptr;
-  A.dout = s.dout.data_ptr<T>();
-  A.dht = s.dht.defined() ? s.dht.data_ptr<T>() : nullptr;
-  A.dq = kg.dq.data_ptr<T>();
-  A.dk = kg.dk.data_ptr<T>();
-  A.dg = kg.dg.data_ptr<T>();
-  A.dbeta = kg.dbeta.data_ptr<T>();
-  A.dv = kg.dv.data_ptr<T>();
-  A.dh0 = kg.dh0.data_ptr<T>();
+  const chunk::Products products = std::is_same_v<T, float>
+      ? chunk::choose_bwd_products(in.q.scalar_type(), d.K, d.V, cfg.op)
+      : chunk::Products::kNative;
   // One workspace per thread (forward pieces, then the backward's), reused by all its units.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const bool bf16 = products != chunk::Products::kNative;
@@ -765,22 +741,30 @@ void run_chunk_bwd(const BwdSetup& s, const KernelGrads& kg, chunk::Products pro
   BwdWork<T>(sizer, d.K, d.V);
   if (bf16) BwdProducts(products, sizer, d.K, d.V);
   const int64_t stride = sizer.bytes();
-  const at::Tensor ws = empty_output({threads * stride + 64}, kg.dq.options().dtype(at::kByte));
+  const at::Tensor ws = empty_output({threads * stride + 64}, out.dv.options().dtype(at::kByte));
   advise_huge_pages(ws);  // ~1.6 MB per thread at K = V = 128 in float: fresh pages every call
   char* const ws0 = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(ws.data_ptr()) + 63) / 64 * 64);
-  at::parallel_for(0, d.N * d.HV, 1, [&](int64_t begin, int64_t end) {
-    chunk::FlushDenormals ftz;  // subnormal decay products: full forgets, slow on Intel CPUs
-    Carver c(ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * stride);
-    chunk::ChunkWork<T> cw(c, d.K, d.V);
-    BwdWork<T> bw(c, d.K, d.V);
-    std::optional<BwdProducts> bp;
-    if (bf16) bp.emplace(products, c, d.K, d.V);
-    for (int64_t u = begin; u < end; ++u) {
-      bwd_unit<T>(A, u / d.HV, u % d.HV, cw, bw, bp ? &*bp : nullptr);
-    }
-    chunk::gemm_release(products);
-  });
+  BwdBlockKernel<T> kernel;
+  kernel.groups = 1;
+  kernel.run_block = [&](const kernels::BwdArgs<T>& A, const std::vector<int64_t>& rs,
+                         const std::vector<int64_t>& re, int64_t j) {
+    at::parallel_for(0, d.N * d.HV, 1, [&](int64_t begin, int64_t end) {
+      chunk::FlushDenormals ftz;  // subnormal decay products: full forgets, slow on Intel CPUs
+      Carver c(ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * stride);
+      chunk::ChunkWork<T> cw(c, d.K, d.V);
+      BwdWork<T> bw(c, d.K, d.V);
+      std::optional<BwdProducts> bp;
+      if (bf16) bp.emplace(products, c, d.K, d.V);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t n = u / d.HV;
+        if (!block_has_work(A.seqs, rs, re, n, j)) continue;
+        bwd_unit<T>(A, n, u % d.HV, rs[n], re[n], cw, bw, bp ? &*bp : nullptr);
+      }
+      chunk::gemm_release(products);
+    });
+  };
+  run_bwd_blocked<T>(in, cfg, s, out, kernel);
 }
 
 }  // namespace
@@ -789,29 +773,8 @@ std::vector<at::Tensor> chunk_bwd_cpu(const at::Tensor& d_o,
                                       const std::optional<at::Tensor>& d_final_state,
                                       const at::Tensor& checkpoints, const Inputs& in,
                                       const Config& cfg) {
-  const BwdSetup s = backward_setup(d_o, d_final_state, checkpoints, in, cfg);
-  const Dims& d = s.d;
-  const auto opts = in.q.options().dtype(compute_dtype(in.q));
-  const int64_t BT = d.B * d.T;
-  // Gradients per value head (one partial: a unit owns all columns of its head). From the output
-  // cache (csrc/cpu/output_cache.h), as the recurrent backward's: made fresh, their pages were
-  // faulted in and zeroed by the kernel on every call (clear_page, ~10% of a B1 T8K H4 call on
-  // the 2-core box).
-  KernelGrads kg;
-  kg.groups = 1;
-  kg.dq = empty_output({1, BT, d.HV, d.K}, opts);
-  kg.dk = empty_output({1, BT, d.HV, d.K}, opts);
-  kg.dg = empty_output({1, BT, d.HV, d.K}, opts);
-  kg.dbeta = empty_output({1, BT, d.HV}, opts);
-  kg.dv = empty_output({BT, d.HV, d.V}, opts);
-  kg.dh0 = empty_output({d.N, d.HV, d.K, d.V}, opts);
-  for (const at::Tensor* t : {&kg.dq, &kg.dk, &kg.dg, &kg.dv}) advise_huge_pages(*t);
-  if (opts.dtype() == at::kDouble) {
-    run_chunk_bwd<double>(s, kg, chunk::Products::kNative);
-  } else {
-    run_chunk_bwd<float>(s, kg, chunk::choose_bwd_products(in.q.scalar_type(), d.K, d.V, cfg.op));
-  }
-  return backward_finish(s, kg, in, cfg);
+  return run_backward(d_o, d_final_state, checkpoints, in, cfg, &run_chunk_bwd<float>,
+                      &run_chunk_bwd<double>);
 }
 
 }  // namespace detail

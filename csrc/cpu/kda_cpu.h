@@ -59,29 +59,6 @@ inline at::ScalarType compute_dtype(const at::Tensor& q) {
   return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// Per-token pre-processing (l2 norm, scale, gate, decay, sigmoid beta) into contiguous buffers of
-// the compute dtype. Shared by the forward and the backward (which recomputes it).
-struct Prepared {
-  // Kernel inputs, head-major and contiguous:
-  at::Tensor q;       // [H, BT, K]   scale * qhat
-  at::Tensor k_hm;    // [H, BT, K]   khat
-  at::Tensor a;       // [HV, BT, K]  exp(g)
-  at::Tensor beta_hm; // [HV, BT]     write strength
-  at::Tensor v;       // [BT, HV, V]
-  // For the backward's chain rule (csrc/cpu/recurrent_bwd.cpp, chain_rule_tokens), token-major:
-  at::Tensor q_in;    // [B, T, H, K]  raw q in the compute dtype (contiguous)
-  at::Tensor q_rnorm; // [BT, H, 1]   1 / sqrt(sum q^2 + 1e-6)   (only with l2 norm)
-  at::Tensor k;       // [BT, H, K]   khat (a view of k_hm)
-  at::Tensor k_rnorm; // [BT, H, 1]
-  at::Tensor g_in;    // [B, T, HV, K] raw gate input / log decay in the compute dtype (contiguous)
-  at::Tensor g;       // [BT, HV, K]  log decay (the gate's output with the gate in the op)
-  at::Tensor gate_s;  // [BT, HV, K]  sigmoid used by the gate (gate in op)
-  at::Tensor beta;    // [BT, HV]     write strength (a view of beta_hm)
-};
-// (csrc/cpu/kernels prep_tokens, one parallel pass.) Without for_backward only the kernel inputs
-// are made; with it also the values the chain rule needs (qhat, rnorms, g, gate_s, z).
-Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for_backward);
-
 // The first offending indices of the pre-processing pass reported by any thread (-1: none): the
 // smallest wins, so the message does not depend on the thread count.
 struct FirstBad {
@@ -243,54 +220,15 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_fwd_cpu(const Inputs& in, const Config& cfg,
                                                               bool with_checkpoints);
 
-// Arguments of the chain rule (csrc/cpu/bwd_common.cpp, chain_rule_tokens).
-template <typename T>
-struct ChainArgs {
-  int64_t BT = 0, H = 0, HV = 0, K = 0, groups = 1;
-  const T *dq_p = nullptr, *dk_p = nullptr, *dg_p = nullptr, *db_p = nullptr;  // [P, BT, HV, *]
-  const T* q = nullptr;       // [BT, H, K] raw q (compute dtype)
-  const T* q_rnorm = nullptr; // [BT, H] or null (no l2 norm)
-  const T* k_hm = nullptr;    // [H, BT, K] khat
-  const T* k_rnorm = nullptr; // [BT, H] or null
-  const T* g = nullptr;       // [BT, HV, K] log decay (softplus gate) or raw gate input (bounded)
-  const T* gate_s = nullptr;  // [BT, HV, K] sigmoid of the gate, or null (no gate in the op)
-  const T* expA = nullptr;    // [HV] exp(A_log) or null
-  const T* bias = nullptr;    // [HV * K] dt_bias or null
-  const T* beta = nullptr;    // [HV, BT] write strength (after the sigmoid)
-  bool softplus = false, beta_sigmoid = false;
-  T scale = 1, lower_bound = 0, beta_c = 1;
-  T *dq = nullptr, *dk = nullptr, *dg = nullptr, *dbeta = nullptr, *dA_rows = nullptr;
-};
-
 // The common start of both CPU backwards (csrc/cpu/bwd_common.cpp): the checked sizes, the
-// recomputed pre-processing (for_backward), the sequences, and in the compute dtype the initial
-// state and the gradient of the final state ([N, HV, K, V], undefined if absent), grad_o
-// [BT, HV, V] and the checkpoints [n_slots, HV, K, V] (all contiguous).
+// sequences, and in the compute dtype the initial state and the gradient of the final state
+// ([N, HV, K, V], undefined if absent) and the checkpoints [n_slots, HV, K, V]; grad_o [BT, HV, V]
+// in its own dtype (contiguous; the token blocks widen their rows).
 struct BwdSetup {
   Dims d;
-  Prepared p;
   Sequences seqs;
   at::Tensor h0, dht, dout, ckpt;
 };
-// Without with_prepared (the recurrent backward, which works block by block), p stays empty and
-// grad_o keeps its dtype (contiguous; the blocks widen their rows).
-BwdSetup backward_setup(const at::Tensor& d_o, const std::optional<at::Tensor>& d_final_state,
-                        const at::Tensor& checkpoints, const Inputs& in, const Config& cfg,
-                        bool with_prepared = true);
-
-// What a backward kernel produces (compute dtype): gradients w.r.t. the pre-processed q
-// (scale * qhat), khat, the log decay g and beta per VALUE head as `groups` partial sums
-// ([groups, BT, HV, K] / [groups, BT, HV], summed in order p = 0, 1, ...), and the final dv
-// [BT, HV, V] and d_initial_state [N, HV, K, V].
-struct KernelGrads {
-  int64_t groups = 1;
-  at::Tensor dq, dk, dg, dbeta, dv, dh0;
-};
-// The chain rule through the pre-processing (l2 norm, scale, grouped heads, gates with their
-// saturation limits, sigmoid beta; docs/math.md "Backward") and the op's outputs in the
-// inputs' dtypes and shapes, as recurrent_bwd_cpu returns them.
-std::vector<at::Tensor> backward_finish(const BwdSetup& s, const KernelGrads& kg,
-                                        const Inputs& in, const Config& cfg);
 
 // The gradients w.r.t. the op's inputs before the last step, in the compute dtype, token-major:
 // dq, dk [BT, H, K], dv [BT, HV, V], dg [BT, HV, K], dbeta [BT, HV], d_initial_state dh0
@@ -298,26 +236,48 @@ std::vector<at::Tensor> backward_finish(const BwdSetup& s, const KernelGrads& kg
 struct InputGrads {
   at::Tensor dq, dk, dv, dg, dbeta, dh0, dA_rows;
 };
-// Fresh (uninitialised) InputGrads, 2 MB page advice on the large ones.
-InputGrads empty_input_grads(const Dims& d, const Inputs& in, const Config& cfg);
-// The sums over tokens (dA_log, dt_bias, in token order) and the op's outputs in the inputs'
-// dtypes and shapes, as recurrent_bwd_cpu returns them.
-std::vector<at::Tensor> backward_outputs(const InputGrads& g, const Dims& d, const Inputs& in,
-                                         const Config& cfg);
 
-// The chain rule (csrc/cpu/bwd_common.cpp chain_rule_tokens) over the rows of one token block of
-// the recurrent backward: C's block arrays (partials, rnorms, khat, gate values, beta; BT = the
-// block's row stride) are read at the row, G's arrays at the global token (row + shift[n]); q
-// or g at the row too when q_in_block / g_in_block (block buffers of widened 16-bit inputs).
+// The frame both CPU backwards share (csrc/cpu/bwd_common.cpp): backward_setup, the outputs
+// allocated once, the runner of the compute dtype filling them, then the sums over tokens (dA_log,
+// dt_bias) and the outputs in the inputs' dtypes and shapes: {dq, dk, dv, dg, dbeta,
+// d_initial_state, dA_log, ddt_bias}, the last three empty tensors when the input is absent or
+// unused.
 template <typename T>
-struct ChainGlobals {
-  const T* q = nullptr;  // [B*T, H, K] raw q (compute dtype), or null (no l2 norm)
-  const T* g = nullptr;  // [B*T, HV, K] raw gate input (bounded gate), or null: C.g is used
-  bool q_in_block = false, g_in_block = false;
-  T *dq = nullptr, *dk = nullptr, *dg = nullptr, *dbeta = nullptr, *dA_rows = nullptr;
+using BackwardRunner = void (*)(const Inputs& in, const Config& cfg, const BwdSetup& s,
+                                const InputGrads& out);
+std::vector<at::Tensor> run_backward(const at::Tensor& d_o,
+                                     const std::optional<at::Tensor>& d_final_state,
+                                     const at::Tensor& checkpoints, const Inputs& in,
+                                     const Config& cfg, BackwardRunner<float> run_float,
+                                     BackwardRunner<double> run_double);
+
+// The backward in token blocks, last first (csrc/cpu/bwd_common.cpp): block j holds whole
+// checkpoint chunks of every sequence (tokens [rs[n], re[n])); it is pre-processed into a reused
+// workspace of a few MB (the rows of kernels::BwdArgs at t - A.seqs.shift[n]; v and grad_o at
+// t - A.seqs.vo_shift[n] when those are block buffers), then run_block(A, rs, re, j) runs the
+// kernel's units on it: they write their partial gradients w.r.t. the pre-processed inputs at
+// the block rows (`groups` partials per value head, A.group_stride apart), dv at the global
+// token, and carry the gradient of the state between blocks in A.dh0 (the range that ends a
+// sequence starts from A.dht; an empty sequence runs in block 0 only, see block_has_work); then
+// the chain rule through the pre-processing writes the block's rows of `out`. Nothing full-size
+// is allocated besides the outputs; results do not depend on where blocks start.
+template <typename T>
+struct BwdBlockKernel {
+  int64_t groups = 1;    // partial sums per value head (the units' column groups)
+  bool with_ak = false;  // the rows include a * khat (A.ak)
+  std::function<void(const kernels::BwdArgs<T>& A, const std::vector<int64_t>& rs,
+                     const std::vector<int64_t>& re, int64_t j)>
+      run_block;
 };
 template <typename T>
-void chain_rule_rows(const ChainArgs<T>& C, const BlockRows& rows, const ChainGlobals<T>& G);
+void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
+                     const InputGrads& out, const BwdBlockKernel<T>& kernel);
+// Whether sequence n has units in block j: tokens there, or (block 0) no tokens at all, so that
+// its initial-state gradient is dht.
+inline bool block_has_work(const kernels::SeqInfo& seqs, const std::vector<int64_t>& rs,
+                           const std::vector<int64_t>& re, int64_t n, int64_t j) {
+  return rs[n] < re[n] || (j == 0 && seqs.seq_start[n] == seqs.seq_end[n]);
+}
 
 // CPU backward: {dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias}, each in its input's
 // dtype and shape; the last three are empty tensors when the input is absent / unused.

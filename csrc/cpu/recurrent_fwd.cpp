@@ -1,4 +1,4 @@
-// CPU forward of the fused recurrent KDA: pre-processing (ATen, once per token) and the driver
+// CPU forward of the fused recurrent KDA: the driver (token blocks, pre-processing per block)
 // that runs the fused kernels (csrc/cpu/kernels) over (sequence, value head, V-slice) units.
 #include "cpu/kda_cpu.h"
 #include "cpu/kernels/recurrent_kernels.h"
@@ -25,44 +25,6 @@ namespace {
 // "[b, t, h" of a global token index (token = b * T + t).
 std::string where_of(int64_t token, int64_t T, int64_t h) {
   return message("[", T > 0 ? token / T : 0, ", ", T > 0 ? token % T : token, ", ", h);
-}
-
-template <typename T>
-void run_prep(const kernels::PrepArgs<T>& P, FirstBad& bad) {
-  const auto& tab = kernels::table();
-  auto fn = [&]() {
-    if constexpr (std::is_same_v<T, float>) {
-      return tab.prep_f32;
-    } else {
-      return tab.prep_f64;
-    }
-  }();
-  at::parallel_for(0, P.BT, 16, [&](int64_t b, int64_t e) { bad.add(fn(P, b, e)); });
-}
-
-template <typename T>
-T* ptr_or_null(const at::Tensor& t) {
-  return t.defined() ? t.data_ptr<T>() : nullptr;
-}
-
-template <typename T>
-void fill_prep(kernels::PrepArgs<T>& P, const at::Tensor& q, const at::Tensor& k,
-               const at::Tensor& g, const at::Tensor& beta, const at::Tensor& expA,
-               const at::Tensor& bias, Prepared& p) {
-  P.q = q.data_ptr<T>();
-  P.k = k.data_ptr<T>();
-  P.g = g.data_ptr<T>();
-  P.beta = beta.data_ptr<T>();
-  P.expA = ptr_or_null<T>(expA);
-  P.dt_bias = ptr_or_null<T>(bias);
-  P.q_out = p.q.data_ptr<T>();
-  P.k_out = p.k_hm.data_ptr<T>();
-  P.a_out = p.a.data_ptr<T>();
-  P.beta_out = p.beta_hm.data_ptr<T>();
-  P.q_rnorm = ptr_or_null<T>(p.q_rnorm);
-  P.k_rnorm = ptr_or_null<T>(p.k_rnorm);
-  P.g_out = ptr_or_null<T>(p.g);
-  P.s_out = ptr_or_null<T>(p.gate_s);
 }
 
 }  // namespace
@@ -163,66 +125,6 @@ void copy_block_rows(const at::Tensor& dst, const at::Tensor& src, const BlockRo
     const int64_t len = rows.loc[n + 1] - rows.loc[n];
     if (len > 0) dst.narrow(0, rows.loc[n], len).copy_(src.narrow(0, rows.rs[n], len));
   }
-}
-
-Prepared preprocess(const Inputs& in, const Config& cfg, const Dims& d, bool for_backward) {
-  const auto ct = compute_dtype(in.q);
-  const auto opts = in.q.options().dtype(ct);
-  const int64_t BT = d.B * d.T;
-  // 16-bit inputs widened into blocks of the output cache (no fresh full-size copies).
-  const at::Tensor q = to_output(in.q, ct);
-  const at::Tensor k = to_output(in.k, ct);
-  const at::Tensor g = to_output(in.g, ct);
-  const at::Tensor beta = to_output(in.beta, ct);
-  at::Tensor expA, bias;
-  if (cfg.use_gate_in_kernel && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
-  if (cfg.use_gate_in_kernel && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
-
-  // From the output cache (csrc/cpu/output_cache.h): the chunk backward calls this once per
-  // call, and fresh arrays were faulted in and zeroed by the kernel every time.
-  Prepared p;
-  p.q = empty_output({d.H, BT, d.K}, opts);
-  p.k_hm = empty_output({d.H, BT, d.K}, opts);
-  p.a = empty_output({d.HV, BT, d.K}, opts);
-  p.beta_hm = empty_output({d.HV, BT}, opts);
-  if (for_backward) {
-    if (cfg.use_qk_l2norm_in_kernel) {
-      p.q_rnorm = empty_output({BT, d.H}, opts);
-      p.k_rnorm = empty_output({BT, d.H}, opts);
-    }
-    if (cfg.use_gate_in_kernel) {
-      p.g = empty_output({BT, d.HV, d.K}, opts);
-      p.gate_s = empty_output({BT, d.HV, d.K}, opts);
-    }
-  }
-  // Full-size arrays of the backward's pre-processing: 2 MB pages (see advise_huge_pages).
-  for (const at::Tensor* t : {&p.q, &p.k_hm, &p.a, &p.g, &p.gate_s}) {
-    if (t->defined()) advise_huge_pages(*t);
-  }
-  FirstBad bad;
-  if (ct == at::kDouble) {
-    kernels::PrepArgs<double> P = make_prep_args<double>(cfg, d, BT);
-    fill_prep<double>(P, q, k, g, beta, expA, bias, p);
-    run_prep<double>(P, bad);
-  } else {
-    kernels::PrepArgs<float> P = make_prep_args<float>(cfg, d, BT);
-    fill_prep<float>(P, q, k, g, beta, expA, bias, p);
-    run_prep<float>(P, bad);
-  }
-  // The backward op re-runs this pass and may be called alone: the same errors as the forward.
-  report_domain(bad, in, cfg, d);
-
-  // Token-major views and values for the backward's chain rule.
-  p.k = p.k_hm.permute({1, 0, 2});
-  p.beta = p.beta_hm.t();
-  if (for_backward) {
-    // The raw (compute-dtype) q and gate input, for the fused chain rule of the backward.
-    p.q_in = q;
-    p.g_in = g;
-    if (!cfg.use_gate_in_kernel) p.g = g.reshape({BT, d.HV, d.K});
-  }
-  p.v = to_output(in.v, ct).reshape({BT, d.HV, d.V});
-  return p;
 }
 
 void advise_huge_pages(const at::Tensor& t) {

@@ -5,10 +5,11 @@ chunk forward's 2 MB), so HV * K of about two thousand makes blocks of a few hun
 chunk forward's one or a few chunks): these shapes cross several block boundaries (the state and
 the next token's read carry across them).
 
-The backward (csrc/cpu/recurrent_bwd.cpp) runs in blocks of whole 64-token chunks, last block
-first: the pre-processing, the per-group partial gradients and the chain rule of one block live in
-a reused workspace, the gradient of the state carries across blocks. Its rows are wider (about
-65 KB per token at these shapes), so its blocks are one chunk long. 16-bit inputs and grad_o are
+Both backwards (csrc/cpu/bwd_common.cpp, run_bwd_blocked: the recurrent and the chunkwise
+kernels) run in blocks of whole 64-token chunks, last block first: the pre-processing, the
+partial gradients and the chain rule of one block live in a reused workspace, the gradient of the
+state carries across blocks. Their rows are wider (about 65 KB per token at these shapes), so
+their blocks are one chunk long up to 4 threads and longer beyond (2 MB per thread). 16-bit inputs and grad_o are
 read block by block too (widened exactly), never copied whole to fp32."""
 
 from __future__ import annotations
@@ -67,31 +68,42 @@ def test_half_inputs_converted_per_block_equal_fp32_inputs_of_the_same_values(dt
     assert torch.equal(s, s32)
 
 
-def test_token_blocks_are_bitwise_identical_for_one_and_two_threads_with_gradients():
-    p = make_problem(B=1, T=420, H=8, HV=16, K=130, V=6, gate="softplus", seed=11)
+def chunk_native(p):
+    return torch_kda.chunk_kda(*p.args, **p.kwargs, backend="native")
+
+
+# The backward's blocks hold max(8, 2 x threads) MB of rows: one chunk at 1 and 2 threads, two at
+# 6 threads (12 MB), so 6 threads also cuts the blocks elsewhere; the bits must not move.
+@pytest.mark.parametrize("op", [native, chunk_native], ids=["recurrent", "chunk"])
+@pytest.mark.parametrize("seqlens", [None, (300, 0, 37, 83)], ids=["batch", "varlen"])
+def test_token_blocks_are_bitwise_identical_for_any_thread_count_with_gradients(op, seqlens):
+    p = make_problem(B=1, T=420, H=8, HV=16, K=130, V=6, seqlens=seqlens, gate="softplus",
+                     seed=11)
 
     def run():
         x = p.to(torch.float32, requires_grad=True)
-        o, s = native(x)
+        o, s = op(x)
         loss = (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() + s.square().sum()
         return [o, s, *torch.autograd.grad(loss, list(x.tensors().values()))]
 
-    results = per_thread_count(run, (1, 2))
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    results = per_thread_count(run, (1, 2, 6))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
 
 
 # Sequences that start and end inside chunks (varlen packs them back to back), an empty one, and
 # more blocks in one sequence than in the others; both gates (the chain rule reads the raw gate
 # input with the bounded gate, the log decay with softplus).
+@pytest.mark.parametrize("op", [native, chunk_native], ids=["recurrent", "chunk"])
 @pytest.mark.parametrize("gate,seqlens", [("softplus", None), ("bounded", (300, 0, 37, 93))],
                          ids=["batch_softplus", "varlen_bounded"])
-def test_gradients_across_backward_blocks_match_the_float64_reference(gate, seqlens):
+def test_gradients_across_backward_blocks_match_the_float64_reference(op, gate, seqlens):
     p = make_problem(B=2, T=200, H=8, HV=16, K=130, V=6, seqlens=seqlens, gate=gate, seed=12)
     p64 = p.to(torch.float64, requires_grad=True)
     g_ref = grads(lambda x: reference.fused_recurrent_kda(*x.args, **x.kwargs), p64)
-    g32 = grads(native, p.to(torch.float32, requires_grad=True))
-    g64 = grads(native, p64)
+    g32 = grads(op, p.to(torch.float32, requires_grad=True))
+    g64 = grads(op, p64)
     for name, gr in g_ref.items():
         assert rel_err(g64[name], gr) < 1e-11, name
         assert rel_err(g32[name], gr) < 5e-5, name

@@ -100,11 +100,31 @@ def test_chunk_kda_rejects_a_safe_gate_that_is_not_a_bool(bad, backend):  # row 
 
 
 def test_native_backend_rejects_non_cpu_tensors():  # row "native-device"
+    # (No other device here: the rule itself, on checked inputs moved to the meta device.)
+    from torch_kda import api
+    from torch_kda._checks import check_kda_inputs
+    p = make_problem(B=1, T=4, H=1, K=3, V=2, seed=22, dtype=torch.float32)
+    x = check_kda_inputs(*p.args, scale=None, initial_state=None, output_final_state=False,
+                         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                         safe_gate=False, lower_bound=None, state_v_first=False,
+                         cu_seqlens=None, A_log=None, dt_bias=None)
+    x.q = x.q.to("meta")
+    with pytest.raises(ValueError, match="backend='native' runs on CPU tensors"):
+        api._resolve_backend("native", x)
+
+
+# Row "meta": every backend reads values; the meta device has none (was PyTorch's ".item() cannot
+# be called on meta tensors" from a value check under reference / auto, and under native the
+# advice to use the reference).
+@pytest.mark.parametrize("backend", ["auto", "reference", "native", "fla"])
+@pytest.mark.parametrize("fn", ["chunk_kda", "fused_recurrent_kda"])
+def test_meta_tensors_are_a_named_error_on_every_backend(fn, backend):
     p = make_problem(B=1, T=4, H=1, K=3, V=2, seed=22, dtype=torch.float32)
     args = [t.to("meta") for t in p.args]
     kw = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in p.kwargs.items()}
-    with pytest.raises(ValueError, match="backend='native' runs on CPU tensors"):
-        torch_kda.chunk_kda(*args, **kw, backend="native")
+    with pytest.raises(ValueError, match="q is on the meta device, which holds no values"):
+        getattr(torch_kda, fn)(*args, **kw, backend=backend)
 
 
 def test_unknown_backend_in_environment(monkeypatch):  # row "backend"

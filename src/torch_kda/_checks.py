@@ -330,6 +330,13 @@ def check_kda_inputs(
     on_cpu = q.is_cpu and k.is_cpu and v.is_cpu and g.is_cpu and beta.is_cpu
     if not on_cpu:
         device = q.device
+        if device.type == "meta":
+            # Every backend reads values (checks of cu_seqlens and of the value domain, the
+            # kernels): there are none on the meta device. torch.compile traces with fake tensors
+            # instead, through the native op's Meta kernels.
+            raise ValueError("q is on the meta device, which holds no values; torch_kda computes "
+                             "and checks values on CPU or CUDA tensors (to trace shapes, "
+                             "torch.compile the call: the native ops have Meta kernels)")
         for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
             _require_device(name, x, device)
 

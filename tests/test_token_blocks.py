@@ -14,6 +14,8 @@ read block by block too (widened exactly), never copied whole to fp32."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -200,3 +202,28 @@ def test_the_first_value_outside_the_domain_is_named_across_heads():
     beta[0, 150, 1] = -1.0
     with pytest.raises(ValueError, match=r"beta\[0, 150, 1\] = -1"):
         torch_kda.fused_recurrent_kda(**dict(args, beta=beta), backend="native")
+
+
+@pytest.mark.parametrize("op", ["fused_recurrent_bwd", "chunk_bwd"])
+def test_a_backward_called_alone_names_the_first_value_outside_the_domain(op):
+    # The backward ops re-run the pre-processing block by block, last block first, with blocks of
+    # max(8, 2 x threads) MB: bad values in two blocks must still give the forward's message (the
+    # smallest index) at every thread count (found by a break-it pass: the last block's was named,
+    # and which block that was moved with the thread count).
+    ops = torch.ops.kda
+    p = make_problem(B=1, T=1200, H=4, HV=16, K=130, V=6, gate="none", beta_sigmoid=False,
+                     seed=16)
+    q, k, v, g, beta = (t.float() for t in p.to(torch.float32).args)
+    args = (q, k, v, g, beta, 130 ** -0.5, None, True)
+    o, _, ckpt = ops.fused_recurrent_fwd(*args)
+    g[0, 100, 1, 2] = 0.25
+    g[0, 1100, 3, 4] = 0.5
+    d_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(17))
+
+    def message():
+        with pytest.raises(ValueError) as info:
+            getattr(ops, op)(d_o, None, ckpt, *args)
+        return str(info.value)
+
+    for text in per_thread_count(message, (1, 2, 6)):
+        assert re.search(r"g\[0, 100, 1, 2\] = 0\.25", text), text

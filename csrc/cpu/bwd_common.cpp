@@ -475,6 +475,10 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
   G.dbeta = out.dbeta.data_ptr<T>();
   G.dA_rows = ptr(out.dA_rows);
 
+  // Values outside the domain, gathered over all blocks and reported once at the end: the
+  // smallest index, as the forward reports it (raising at the first block that had one named an
+  // element that depended on where blocks start, so on the thread count).
+  FirstBad bad;
   for (int64_t j = n_blocks - 1; j >= 0; --j) {
     int64_t used = 0;
     for (int64_t n = 0; n < d.N; ++n) {
@@ -493,13 +497,12 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
       copy_block_rows(v_w, v_in, rows);
       copy_block_rows(do_w, do_in, rows);
     }
-    FirstBad bad;
     prep_block<T>(P, rows, /*shifted_inputs=*/false, bad);
-    report_domain(bad, in, cfg, d);
     kernel.run_block(A, rows.rs, re, j);
     // The chain rule over the block's rows, written to the outputs at the global tokens.
     chain_rule_rows<T>(Cb, rows, G);
   }
+  report_domain(bad, in, cfg, d);
 }
 template void run_bwd_blocked<float>(const Inputs&, const Config&, const BwdSetup&,
                                      const InputGrads&, const BwdBlockKernel<float>&);

@@ -355,6 +355,11 @@ def _bad_calls():
                                                    num_accepted_tokens=torch.tensor([1, 1])),
          ValueError, "slot 1"),
         ("T_n > T_max", spec, dict(ssm_state_indices=torch.tensor([[0], [2]])), ValueError, "T_max"),
+        ("pad_slot_id not an int", p, dict(ssm_state_indices=torch.tensor([0, 1]), pad_slot_id=-1.0),
+         TypeError, "pad_slot_id must be an int, got float"),
+        # (the reference accepted it, the native op raised the dispatcher's type error)
+        ("pad_slot_id beyond int64", p, dict(ssm_state_indices=torch.tensor([0, 1]), pad_slot_id=2 ** 70),
+         ValueError, "pad_slot_id must fit in int64"),
     ]
 
 

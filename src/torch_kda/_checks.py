@@ -481,6 +481,10 @@ def check_serving_inputs(
     if type(pad_slot_id) is not int and (isinstance(pad_slot_id, bool)
                                          or not isinstance(pad_slot_id, int)):
         raise TypeError(f"pad_slot_id must be an int, got {type(pad_slot_id).__name__} {pad_slot_id!r}")
+    if not -2 ** 63 <= pad_slot_id < 2 ** 63:
+        # (an index tensor holds int64 at most: such a value can never match, and the native op
+        # takes an int64)
+        raise ValueError(f"pad_slot_id must fit in int64, got {pad_slot_id}")
     if type(inplace_final_state) is not bool:
         _require_bool("inplace_final_state", inplace_final_state)
     if type(return_intermediate_states) is not bool:

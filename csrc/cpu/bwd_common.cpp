@@ -337,9 +337,7 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
   const bool vo_block = in.v.scalar_type() != ct || s.dout.scalar_type() != ct;
   const at::Tensor v_in = input(in.v, vo_block).reshape({BT, HV * d.V});
   const at::Tensor do_in = s.dout.reshape({BT, HV * d.V});  // contiguous, its own dtype
-  at::Tensor expA, bias;
-  if (gate && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
-  if (gate && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
+  const GateParams gate_p = gate_params(in, cfg, ct);
 
   const int64_t groups = kernel.groups;
   const int64_t cb = chunks_per_block(d, groups, kernel.with_ak, cfg, sizeof(T));
@@ -389,15 +387,7 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
   const at::Tensor q_w = part(q_cols), g_w = part(g_cols), v_w = part(vo_cols), do_w = part(vo_cols);
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; };
 
-  kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, nb);
-  if (direct) {
-    P.q_store = *q_st;
-    P.g_store = *g_st;
-    P.beta_store = *b_st;
-  }
-  set_prep_inputs(P, q_c, k_c, g_c, b_c);
-  P.expA = ptr(expA);
-  P.dt_bias = ptr(bias);
+  kernels::PrepArgs<T> P = block_prep_args<T>(cfg, d, nb, q_c, k_c, g_c, b_c, gate_p);
   P.q_out = ws_q.data_ptr<T>();
   P.k_out = ws_k.data_ptr<T>();
   P.a_out = ws_a.data_ptr<T>();
@@ -414,16 +404,7 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
   A.seqs = seq_info(seqs);
   A.seqs.shift = rows.shift.data();
   A.seqs.vo_shift = vo_block ? rows.shift.data() : nullptr;
-  A.BT = nb;
-  A.H = H;
-  A.HV = HV;
-  A.K = K;
-  A.V = d.V;
-  A.q = P.q_out;
-  A.k = P.k_out;
-  A.a = P.a_out;
-  A.ak = P.ak_out;
-  A.beta = P.beta_out;
+  point_at_block_rows(A, P, d);
   A.v = vo_block ? v_w.data_ptr<T>() : v_in.data_ptr<T>();
   A.h0 = ptr(s.h0);
   A.ckpt = s.ckpt.numel() > 0 ? s.ckpt.data_ptr<T>() : nullptr;

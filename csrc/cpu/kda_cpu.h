@@ -86,15 +86,37 @@ void report_domain(const FirstBad& bad, const Inputs& in, const Config& cfg, con
 int64_t first_unstable_write(const at::Tensor& k, const at::Tensor& beta, bool beta_sigmoid,
                              double beta_mult);
 
-// The pre-processing arguments that depend on cfg and d only (float and double); BT = stride,
-// the token stride of the outputs. The caller sets the pointers.
+// The gate's parameters in the compute dtype ct, contiguous: exp(A_log) [HV] and dt_bias
+// [HV * K]; undefined where absent or without the gate in the op.
+struct GateParams {
+  at::Tensor expA, bias;
+};
+GateParams gate_params(const Inputs& in, const Config& cfg, at::ScalarType ct);
+// The pre-processing pass's arguments for outputs of token stride BT = stride: those of cfg and
+// d, the inputs q, k, g and beta each read as its dtype says (T, or 16-bit widened in registers:
+// storage_of; the caller converts any other dtype first) and the gate's parameters (which the
+// caller keeps alive). The caller sets the outputs.
 template <typename T>
-kernels::PrepArgs<T> make_prep_args(const Config& cfg, const Dims& d, int64_t stride);
-// Points P's q, k, g and beta at the given inputs through the pointer their storage in P names:
-// T (kCompute) or 16-bit; set P's storages first.
+kernels::PrepArgs<T> block_prep_args(const Config& cfg, const Dims& d, int64_t stride,
+                                     const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& g, const at::Tensor& beta,
+                                     const GateParams& gate);
+// Points a kernel's pre-processed inputs at P's outputs (the token block's rows, stride P.BT) and
+// sets its sizes from d; the caller sets the rest (sequences, v, states, outputs).
 template <typename T>
-void set_prep_inputs(kernels::PrepArgs<T>& P, const at::Tensor& q, const at::Tensor& k,
-                     const at::Tensor& g, const at::Tensor& beta);
+void point_at_block_rows(kernels::RecurrenceInputs<T>& A, const kernels::PrepArgs<T>& P,
+                         const Dims& d) {
+  A.BT = P.BT;
+  A.H = d.H;
+  A.HV = d.HV;
+  A.K = d.K;
+  A.V = d.V;
+  A.q = P.q_out;
+  A.k = P.k_out;
+  A.a = P.a_out;
+  A.ak = P.ak_out;
+  A.beta = P.beta_out;
+}
 // How the pre-processing pass reads an input of dtype st in compute dtype ct: as it is
 // (kCompute), bf16 / fp16 widened in registers (ct = float), or nullopt (converted first).
 std::optional<kernels::Storage> storage_of(at::ScalarType st, at::ScalarType ct);

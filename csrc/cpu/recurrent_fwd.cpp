@@ -56,8 +56,20 @@ void report_domain(const FirstBad& bad, const Inputs& in, const Config& cfg,
   }
 }
 
+GateParams gate_params(const Inputs& in, const Config& cfg, at::ScalarType ct) {
+  GateParams gp;
+  if (cfg.use_gate_in_kernel && in.A_log) gp.expA = at::exp(in.A_log->to(ct)).contiguous();
+  if (cfg.use_gate_in_kernel && in.dt_bias) {
+    gp.bias = in.dt_bias->to(ct).contiguous().reshape({-1});
+  }
+  return gp;
+}
+
 template <typename T>
-kernels::PrepArgs<T> make_prep_args(const Config& cfg, const Dims& d, int64_t stride) {
+kernels::PrepArgs<T> block_prep_args(const Config& cfg, const Dims& d, int64_t stride,
+                                     const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& g, const at::Tensor& beta,
+                                     const GateParams& gate) {
   kernels::PrepArgs<T> P;
   P.BT = stride;
   P.H = d.H;
@@ -71,12 +83,11 @@ kernels::PrepArgs<T> make_prep_args(const Config& cfg, const Dims& d, int64_t st
   P.lower_bound = cfg.lower_bound.value_or(0.0);
   P.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
   P.beta_mult = cfg.allow_neg_eigval ? 2.0 : 1.0;
-  return P;
-}
-template <typename T>
-void set_prep_inputs(kernels::PrepArgs<T>& P, const at::Tensor& q, const at::Tensor& k,
-                     const at::Tensor& g, const at::Tensor& beta) {
-  auto point = [](const at::Tensor& t, kernels::Storage st, const T*& p32, const uint16_t*& p16) {
+  // Each input through the pointer its dtype names (q and k share one storage).
+  const at::ScalarType ct = std::is_same_v<T, float> ? at::kFloat : at::kDouble;
+  auto point = [&](const at::Tensor& t, kernels::Storage& st, const T*& p32,
+                   const uint16_t*& p16) {
+    st = storage_of(t.scalar_type(), ct).value();
     if (st == kernels::Storage::kCompute) {
       p32 = t.data_ptr<T>();
     } else {
@@ -87,14 +98,18 @@ void set_prep_inputs(kernels::PrepArgs<T>& P, const at::Tensor& q, const at::Ten
   point(k, P.q_store, P.k, P.k16);
   point(g, P.g_store, P.g, P.g16);
   point(beta, P.beta_store, P.beta, P.beta16);
+  P.expA = gate.expA.defined() ? gate.expA.data_ptr<T>() : nullptr;
+  P.dt_bias = gate.bias.defined() ? gate.bias.data_ptr<T>() : nullptr;
+  return P;
 }
-template void set_prep_inputs<float>(kernels::PrepArgs<float>&, const at::Tensor&,
-                                     const at::Tensor&, const at::Tensor&, const at::Tensor&);
-template void set_prep_inputs<double>(kernels::PrepArgs<double>&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, const at::Tensor&);
-
-template kernels::PrepArgs<float> make_prep_args<float>(const Config&, const Dims&, int64_t);
-template kernels::PrepArgs<double> make_prep_args<double>(const Config&, const Dims&, int64_t);
+template kernels::PrepArgs<float> block_prep_args<float>(const Config&, const Dims&, int64_t,
+                                                         const at::Tensor&, const at::Tensor&,
+                                                         const at::Tensor&, const at::Tensor&,
+                                                         const GateParams&);
+template kernels::PrepArgs<double> block_prep_args<double>(const Config&, const Dims&, int64_t,
+                                                           const at::Tensor&, const at::Tensor&,
+                                                           const at::Tensor&, const at::Tensor&,
+                                                           const GateParams&);
 
 template <typename T>
 void prep_block(const kernels::PrepArgs<T>& P, const BlockRows& rows, bool shifted_inputs,
@@ -294,9 +309,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   } else {
     v_c = v_in.contiguous();
   }
-  at::Tensor expA, bias;
-  if (cfg.use_gate_in_kernel && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
-  if (cfg.use_gate_in_kernel && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
+  const GateParams gate = gate_params(in, cfg, ct);
 
   // The pre-processed block: [H, nb, K] q and k, [HV, nb, K] decay and decay*k, [HV, nb] beta.
   // From the output cache too (1-2 MB each): glibc hands heap blocks of this size back to the
@@ -312,21 +325,13 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   }
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; };
 
-  kernels::PrepArgs<T> P = make_prep_args<T>(cfg, d, nb);
-  if (direct) {
-    P.q_store = *q_st;
-    P.g_store = *g_st;
-    P.beta_store = *b_st;
-  }
-  set_prep_inputs(P, q_c, k_c, g_c, b_c);
+  kernels::PrepArgs<T> P = block_prep_args<T>(cfg, d, nb, q_c, k_c, g_c, b_c, gate);
   if (widen_v) {
     P.v_store = *v_st;
     P.v16 = static_cast<const uint16_t*>(v_in.data_ptr());
     P.v_out = ptr(v_w);
     P.VW = d.HV * d.V;
   }
-  P.expA = expA.defined() ? expA.data_ptr<T>() : nullptr;
-  P.dt_bias = bias.defined() ? bias.data_ptr<T>() : nullptr;
   BlockPrep<T> own;
   own.P = P;  // the chunk kernel's: inputs set, outputs its own
   own.shifted_inputs = conv_in;
@@ -344,16 +349,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   A.seqs = seq_info(seqs);
   A.seqs.shift = shift.data();
   A.seqs.vo_shift = conv_vo ? vo_shift.data() : nullptr;
-  A.BT = nb;
-  A.H = d.H;
-  A.HV = d.HV;
-  A.K = d.K;
-  A.V = d.V;
-  A.q = P.q_out;
-  A.k = P.k_out;
-  A.a = P.a_out;
-  A.ak = P.ak_out;
-  A.beta = P.beta_out;
+  point_at_block_rows(A, P, d);
   A.v = ptr(v_c);
   A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
   A.o = conv_vo ? o_w.data_ptr<T>() : o.data_ptr<T>();

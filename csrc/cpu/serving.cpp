@@ -186,9 +186,9 @@ void run(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& 
   const at::Tensor q = compute_view(in.q, ct), k = compute_view(in.k, ct),
                    v = compute_view(in.v, ct), g = compute_view(in.g, ct),
                    beta = compute_view(in.beta, ct);
-  at::Tensor expA, bias;
-  if (cfg.use_gate_in_kernel && in.A_log) expA = at::exp(in.A_log->to(ct)).contiguous();
-  if (cfg.use_gate_in_kernel && in.dt_bias) bias = in.dt_bias->to(ct).contiguous().reshape({-1});
+  const GateParams gate = gate_params(in, cfg, ct);
+  const at::Tensor& expA = gate.expA;
+  const at::Tensor& bias = gate.bias;
 
   kernels::ServingArgs<T> A;
   A.H = d.H;

@@ -282,7 +282,8 @@ std::vector<at::Tensor> run_backward(const at::Tensor& d_o,
 // token, and carry the gradient of the state between blocks in A.dh0 (the range that ends a
 // sequence starts from A.dht; an empty sequence runs in block 0 only, see block_has_work); then
 // the chain rule through the pre-processing writes the block's rows of `out`. Nothing full-size
-// is allocated besides the outputs; results do not depend on where blocks start.
+// is allocated besides the outputs; results do not depend on where blocks start. Values outside
+// the domain are reported after the last block (the smallest index: the forward's message).
 template <typename T>
 struct BwdBlockKernel {
   int64_t groups = 1;    // partial sums per value head (the units' column groups)

@@ -2,6 +2,11 @@
 
     python benchmarks/bf16_accuracy.py BACKEND...      # fla | chunk | recurrent
     TORCH_KDA_CHUNK_PRODUCTS=bf16 python benchmarks/bf16_accuracy.py chunk recurrent
+    python benchmarks/bf16_accuracy.py --grads BACKEND...   # the gradients instead, T = 1K
+
+With ``--grads``: the relative RMS error of each input's gradient (random cotangents of the output
+and the final state) against float64 autograd of the reference on the same bf16-rounded inputs,
+at T = 1024 (the float64 oracle's autograd graph grows with T); FLA's bar is 0.008.
 
 "fla": ``chunk_kda(backend="fla")`` on CUDA (FLA's chunk kernel, bf16 products); "chunk": the native
 chunk kernel (its bf16 state products where TORCH_KDA_CHUNK_PRODUCTS and the CPU give them, an
@@ -39,17 +44,62 @@ def cases():
     yield "K128 T4K FLA init gate, beta=2sig(N) neg", gen(4, 4096, 128, 0, 0, True, True)
 
 rel = lambda a, b: ((a.double().cpu() - b).norm() / b.norm()).item()
-for name, (args, kw) in cases():
-    dkw = {n: (x.double() if torch.is_tensor(x) else x) for n, x in kw.items()}
-    ro, rs = torch_kda.reference.fused_recurrent_kda(*[x.double() for x in args], **dkw)
-    line = f"{name:42s}"
-    with torch.no_grad():
-        for b in sys.argv[1:]:
-            if b == "fla":
-                o, s = torch_kda.chunk_kda(*[x.cuda() for x in args], **{n: (x.cuda() if torch.is_tensor(x) else x) for n, x in kw.items()}, backend="fla")
-            elif b == "chunk":
-                o, s = torch_kda.chunk_kda(*args, **kw, backend="native")
+
+
+def run(b, args, kw):
+    """(o, final state) of backend b on the bf16 inputs args and the keywords kw."""
+    if b == "fla":
+        return torch_kda.chunk_kda(*[x.cuda() for x in args], **{n: (x.cuda() if torch.is_tensor(x) else x) for n, x in kw.items()}, backend="fla")
+    if b == "chunk":
+        return torch_kda.chunk_kda(*args, **kw, backend="native")
+    return torch_kda.fused_recurrent_kda(*args, **kw, backend="native")
+
+
+def outputs():
+    for name, (args, kw) in cases():
+        dkw = {n: (x.double() if torch.is_tensor(x) else x) for n, x in kw.items()}
+        ro, rs = torch_kda.reference.fused_recurrent_kda(*[x.double() for x in args], **dkw)
+        line = f"{name:42s}"
+        with torch.no_grad():
+            for b in sys.argv[1:]:
+                o, s = run(b, args, kw)
+                line += f" | {b}: o {rel(o, ro):.2e} state {rel(s, rs):.2e}"
+        print(line, flush=True)
+
+
+def grads(backends):
+    names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias"]
+    for name, (args, kw) in cases():
+        args = [x[:, :1024] for x in args]
+        gen = torch.Generator().manual_seed(7)
+        leaves = dict(zip(names, args), **{n: kw[n] for n in ("A_log", "dt_bias") if n in kw})
+
+        def grads_of(b, dtype):
+            # (A_log and dt_bias stay fp32 beside bf16 inputs, as a model keeps them)
+            param = torch.float64 if dtype == torch.float64 else torch.float32
+            xs = {n: t.detach().to(dtype if n in names[:5] else param).requires_grad_()
+                  for n, t in leaves.items()}
+            call_kw = dict(kw, **{n: xs[n] for n in ("A_log", "dt_bias") if n in xs})
+            if b == "reference":
+                o, s = torch_kda.reference.fused_recurrent_kda(*[xs[n] for n in names[:5]], **call_kw)
             else:
-                o, s = torch_kda.fused_recurrent_kda(*args, **kw, backend="native")
-            line += f" | {b}: o {rel(o, ro):.2e} state {rel(s, rs):.2e}"
-    print(line, flush=True)
+                o, s = run(b, [xs[n] for n in names[:5]], call_kw)  # (fla: CUDA copies)
+            d_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(8)).to(o.dtype).to(o.device)
+            d_s = torch.randn(s.shape, generator=torch.Generator().manual_seed(9)).to(s.dtype).to(s.device)
+            torch.autograd.backward([o, s], [d_o, d_s])
+            return {n: x.grad for n, x in xs.items()}
+
+        ref = grads_of("reference", torch.float64)
+        line = f"{name.replace('T2K', 'T1K').replace('T4K', 'T1K'):42s}"
+        for b in backends:
+            g = grads_of(b, torch.bfloat16)
+            worst = max(names, key=lambda n: rel(g[n], ref[n]) if n in g else -1)
+            line += f" | {b}: " + " ".join(f"{n} {rel(g[n], ref[n]):.1e}" for n in names if n in g)
+            line += f" (worst {worst})"
+        print(line, flush=True)
+
+
+if sys.argv[1:2] == ["--grads"]:
+    grads(sys.argv[2:])
+else:
+    outputs()

@@ -285,7 +285,6 @@ std::vector<at::Tensor> backward_outputs(const InputGrads& o, const Dims& d, con
   return out;
 }
 
-
 // Chunks of kChunk tokens per backward block: the block's pre-processed rows, partials and chain
 // rule inputs take about max(8, 2 x threads) MB (cache-resident, reused; the recurrent forward's
 // rule). With 8 MB at any thread count a block of H16 held one chunk, and on the 16-core host

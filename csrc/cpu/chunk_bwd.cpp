@@ -687,12 +687,11 @@ void bwd_unit(const kernels::BwdArgs<T>& A, int64_t n, int64_t hv, int64_t t0, i
               chunk::ChunkWork<T>& cw, BwdWork<T>& bw, BwdProducts* bp) {
   const int64_t K = A.K, V = A.V, HV = A.HV, BT = A.BT;
   const int64_t h = hv / (HV / A.H);
-  const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
+  const int64_t ts = A.seqs.seq_start[n];
   const int64_t origin = A.seqs.origin[n], slot_base = A.seqs.slot_base[n];
-  const int64_t shift = A.seqs.shift ? A.seqs.shift[n] : 0;
-  const int64_t vo_shift = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
+  const int64_t shift = A.seqs.row_shift(n), vo_shift = A.seqs.vo_row_shift(n);
   const int64_t state_off = (n * HV + hv) * K * V;
-  const T* src = t1 == te ? A.dht : A.dh0;
+  const T* src = A.state_grad_after(n, t1);
   if (src) {
     std::memcpy(bw.dS, src + state_off, sizeof(T) * K * V);
   } else {

@@ -180,7 +180,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
         ci.v = rows->v;
         ci.ldv = V;
       } else {
-        const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
+        const int64_t vsh = A.seqs.vo_row_shift(n);
         ci.v = A.v + ((t0 - vsh) * HV + hv) * V;
         ci.ldv = HV * V;
       }
@@ -242,7 +242,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
             }
             chunk::ChunkWork<T> w = workspace(i);
             const chunk::ChunkIn<T> ci = chunk_in(n, hv, k, nullptr, nullptr);
-            const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
+            const int64_t vsh = A.seqs.vo_row_shift(n);
             chunk::state_step(ci, w, S, A.o + ((t0 - vsh) * HV + hv) * V, HV * V);
           }
           chunk::gemm_release(products);

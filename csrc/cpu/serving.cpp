@@ -187,8 +187,6 @@ void run(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& 
                    v = compute_view(in.v, ct), g = compute_view(in.g, ct),
                    beta = compute_view(in.beta, ct);
   const GateParams gate = gate_params(in, cfg, ct);
-  const at::Tensor& expA = gate.expA;
-  const at::Tensor& bias = gate.bias;
 
   kernels::ServingArgs<T> A;
   A.H = d.H;
@@ -210,8 +208,8 @@ void run(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& 
   A.v = v.data_ptr<T>();
   A.g = g.data_ptr<T>();
   A.beta = beta.data_ptr<T>();
-  A.expA = ptr_or_null<T>(expA);
-  A.dt_bias = ptr_or_null<T>(bias);
+  A.expA = ptr_or_null<T>(gate.expA);
+  A.dt_bias = ptr_or_null<T>(gate.bias);
   A.o = o.data_ptr<T>();
   A.seq_start = plan.seq_start.data();
   A.seq_end = plan.seq_end.data();

@@ -36,6 +36,7 @@ def _outside_graph(fn):
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _INT_DTYPES = (torch.int64, torch.int32)
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1  # an index's range (the native ops take int64)
 
 
 @dataclass(slots=True)
@@ -481,9 +482,7 @@ def check_serving_inputs(
     if type(pad_slot_id) is not int and (isinstance(pad_slot_id, bool)
                                          or not isinstance(pad_slot_id, int)):
         raise TypeError(f"pad_slot_id must be an int, got {type(pad_slot_id).__name__} {pad_slot_id!r}")
-    if not -2 ** 63 <= pad_slot_id < 2 ** 63:
-        # (an index tensor holds int64 at most: such a value can never match, and the native op
-        # takes an int64)
+    if not INT64_MIN <= pad_slot_id <= INT64_MAX:  # (no index could match it)
         raise ValueError(f"pad_slot_id must fit in int64, got {pad_slot_id}")
     if type(inplace_final_state) is not bool:
         _require_bool("inplace_final_state", inplace_final_state)

@@ -19,7 +19,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._checks import KDAInputs, ServingArgs, check_serving_inputs, warn_unstable_writes
+from ._checks import (INT64_MAX, INT64_MIN, KDAInputs, ServingArgs, check_serving_inputs,
+                      warn_unstable_writes)
 from ._pool import gather_states, scatter_states, sequences
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -127,8 +128,6 @@ def fused_recurrent(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]
 
 # kda::_fused_recurrent_fast's status when its probe of the arguments failed (csrc/ops.cpp)
 _REFUSED = -2
-# the op's int64 pad_slot_id (a Python int beyond it goes to the checks, which name it)
-_INT64_MIN, _INT64_MAX = -2 ** 63, 2 ** 63 - 1
 
 
 def fused_recurrent_fast(q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -164,7 +163,8 @@ def fused_recurrent_fast(q, k, v, g, beta, scale, initial_state, output_final_st
             and type(use_qk_l2norm_in_kernel) is bool and type(use_gate_in_kernel) is bool
             and type(use_beta_sigmoid_in_kernel) is bool and type(allow_neg_eigval) is bool
             and type(state_v_first) is bool and type(inplace_final_state) is bool
-            and type(pad_slot_id) is int and _INT64_MIN <= pad_slot_id <= _INT64_MAX
+            # (a pad_slot_id beyond int64 goes to the checks, which name it)
+            and type(pad_slot_id) is int and INT64_MIN <= pad_slot_id <= INT64_MAX
             and LOAD_ERROR is None and not torch.compiler.is_compiling()):
         return None
     if (ssm_state_indices is None and num_accepted_tokens is None and out is None

@@ -530,8 +530,8 @@ void fwd_block(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   const int64_t K = A.K, Vd = A.V, H = A.H, HV = A.HV;
   const int64_t h = hv / (HV / H);
   const int64_t origin = A.seqs.origin[n], slot_base = A.seqs.slot_base[n];
-  const int64_t sh = A.seqs.shift ? A.seqs.shift[n] : 0;
-  const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;
+  const int64_t sh = A.seqs.row_shift(n);
+  const int64_t vsh = A.seqs.vo_row_shift(n);
   const int64_t ckpt_off = hv * K * Vd + j0;  // in one slot of [slots, HV, K, V]
   const int64_t slot_stride = HV * K * Vd;
   // Rows of the pre-processed arrays at the local token index (t - sh).
@@ -954,8 +954,8 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   const int64_t h = hv / (HV / H);
   const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
   const int64_t origin = A.seqs.origin[n], slot_base = A.seqs.slot_base[n];
-  const int64_t sh = A.seqs.shift ? A.seqs.shift[n] : 0;
-  const int64_t vsh = A.seqs.vo_shift ? A.seqs.vo_shift[n] : 0;  // v, grad_o: block rows or not
+  const int64_t sh = A.seqs.row_shift(n);
+  const int64_t vsh = A.seqs.vo_row_shift(n);  // v, grad_o: block rows or not
   const int64_t state_off = (n * HV + hv) * K * Vd + j0;  // in [N, HV, K, V]
   const int64_t ckpt_off = hv * K * Vd + j0;               // in one slot of [slots, HV, K, V]
   const int64_t slot_stride = HV * K * Vd;
@@ -1109,7 +1109,6 @@ void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   const int64_t K = A.K, Vd = A.V, HV = A.HV;
   const int64_t Kp = padded_rows(K), SS = kBwdSlice * Kp;  // elements of a transposed slice
   const int64_t n_sl = s_end - s_begin;
-  const int64_t te = A.seqs.seq_end[n];
   const int64_t origin = A.seqs.origin[n];
   const int64_t state_base = (n * HV + hv) * K * Vd;  // in [N, HV, K, V]
   // The caller's scratch, in the order of bwd_scratch_elems.
@@ -1121,7 +1120,7 @@ void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
     j0 = (s_begin + i) * kBwdSlice;
     width = imin(kBwdSlice, Vd - j0);
   };
-  const T* src = t1 == te ? A.dht : A.dh0;
+  const T* src = A.state_grad_after(n, t1);
   for (int64_t i = 0; i < n_sl; ++i) {
     int64_t j0, width;
     slice(i, j0, width);

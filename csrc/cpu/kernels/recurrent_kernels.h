@@ -35,6 +35,10 @@ struct SeqInfo {
   // (whole arrays).
   const int64_t* shift = nullptr;
   const int64_t* vo_shift = nullptr;
+  // Sequence n's token t sits at row t - row_shift(n) of the block arrays, and at
+  // t - vo_row_shift(n) of v and o / dout.
+  int64_t row_shift(int64_t n) const { return shift ? shift[n] : 0; }
+  int64_t vo_row_shift(int64_t n) const { return vo_shift ? vo_shift[n] : 0; }
 };
 
 // The pre-processed per-token inputs are head-major ([H, BT, K]: one head's tokens contiguous),
@@ -81,6 +85,11 @@ struct BwdArgs : RecurrenceInputs<T> {
   // [N, HV, K, V]: the gradient w.r.t. the initial state, and the running gradient of the state
   // between token ranges (the range that ends a sequence reads dht, any earlier range dh0).
   T* dh0 = nullptr;
+  // The gradient w.r.t. the state after the range of sequence n that ends at token t1 (null:
+  // zero), as the rule above says.
+  const T* state_grad_after(int64_t n, int64_t t1) const {
+    return t1 == this->seqs.seq_end[n] ? dht : dh0;
+  }
 };
 
 // Per-token pre-processing (docs/math.md "Gates"): l2 norm and

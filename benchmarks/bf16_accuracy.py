@@ -3,6 +3,7 @@
     python benchmarks/bf16_accuracy.py BACKEND...      # fla | chunk | recurrent
     TORCH_KDA_CHUNK_PRODUCTS=bf16 python benchmarks/bf16_accuracy.py chunk recurrent
     python benchmarks/bf16_accuracy.py --grads BACKEND...   # the gradients instead, T = 1K
+    python benchmarks/bf16_accuracy.py --only "FLA init" --grads fla   # the cases named so
 
 With ``--grads``: the relative RMS error of each input's gradient (random cotangents of the output
 and the final state) against float64 autograd of the reference on the same bf16-rounded inputs,
@@ -99,6 +100,11 @@ def grads(backends):
         print(line, flush=True)
 
 
+if sys.argv[1:2] == ["--only"]:  # FLA's autotuning takes minutes per case on a fresh machine
+    only = sys.argv[2]
+    del sys.argv[1:3]
+    all_cases = cases
+    cases = lambda: ((name, case) for name, case in all_cases() if only in name)
 if sys.argv[1:2] == ["--grads"]:
     grads(sys.argv[2:])
 else:

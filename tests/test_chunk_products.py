@@ -7,8 +7,9 @@ but the two with the gradient w.r.t. the state leaving a chunk): AMX through ATe
 the CPU has it, else an emulation with the same numerics (the path these tests take on a CPU without bf16 matrix hardware). Checked: FLA's accuracy bar (output 0.005,
 gradients 0.008 relative RMS) over the feature grid and strong decays, bitwise determinism across
 thread counts, fp32 inputs untouched, head sizes the products do not take, and the knob's errors;
-the backward's bf16 products (only with the knob's bf16) against FLA's gradient bar (0.008),
-with strong decays, bitwise across thread counts, and off under auto.
+the backward's bf16 products (the forward's choice: under auto on AMX CPUs for bf16 inputs)
+against FLA's gradient bar (0.008), with strong decays, bitwise across thread counts, and
+under auto the same as the forward's.
 K and V are multiples of 16 (the bf16 products need them); shapes stay small.
 """
 
@@ -109,28 +110,35 @@ def test_gradients_through_bf16_product_forward(dtype, monkeypatch):
         assert rel_err(g_nat[name], gr) <= 0.008, name
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_auto_on_amx_meets_fla_ratio_with_v_first_gva(seed, monkeypatch):
-    # What auto runs on a CPU with AMX: the forward's bf16 products, the backward's fp32 ones
-    # (here the emulation for the forward where the CPU has no AMX). The configuration where the
-    # backward's bf16 products took A_log's gradient to 9.1e-3 (docs/benchmarks.md): GVA, V-first
-    # state, initial state, the gate in the op; every gradient within FLA's 0.008 here.
+@pytest.mark.parametrize("seed", [0, 1, 2, 37])
+def test_auto_on_amx_gradients_with_v_first_gva(seed, monkeypatch):
+    # What auto runs on a CPU with AMX for bf16 inputs: bf16 products in the forward and the
+    # backward (here the knob's bf16: the emulation where the CPU has no AMX). GVA, V-first
+    # state, initial state, the gate in the op. Every gradient but A_log's meets FLA's 0.008
+    # (40 seeds of this shape: at most 4.2e-3). A_log's gradient, HV sums with cancellation over
+    # all tokens and channels, carries the products' error times the sums' conditioning: up to
+    # 1.9e-2 over those 40 seeds (seed 37; 1.5e-2 with the forward's bf16 products alone, 2.4e-3
+    # with fp32 products; FLA's own chunk kernel measured 2.3e-2 on a K = V = 128 case where
+    # ours reads 1.2e-2; docs/benchmarks.md "Accuracy of the bf16 products"). fp32 products,
+    # the documented remedy, bring it within 0.008.
     exact = make_problem(B=2, T=130, H=2, HV=4, K=32, V=48, gate="softplus", state_v_first=True,
                          initial_state=True, seed=100 + seed)
     p = exact.to(torch.bfloat16)
     do, ds = cotangents(p)
-    x = p.to(torch.bfloat16, requires_grad=True)
-    monkeypatch.setenv(KNOB, "bf16")
-    o, s = torch.ops.kda.chunk(*op_args(x))
-    monkeypatch.setenv(KNOB, "fp32")
-    ts = x.tensors()
-    gs = dict(zip(ts, torch.autograd.grad((o.double() * do).sum() + (s.double() * ds).sum(),
-                                          list(ts.values()))))
-    for name, gr in reference_grads(p, do, ds).items():
-        assert rel_err(gs[name], gr) <= 0.008, (name, rel_err(gs[name], gr))
+    ref = reference_grads(p, do, ds)
+    for knob, a_log_bound in (("bf16", 0.025), ("fp32", 0.008)):
+        monkeypatch.setenv(KNOB, knob)
+        x = p.to(torch.bfloat16, requires_grad=True)
+        o, s = torch.ops.kda.chunk(*op_args(x))
+        ts = x.tensors()
+        gs = dict(zip(ts, torch.autograd.grad((o.double() * do).sum() + (s.double() * ds).sum(),
+                                              list(ts.values()))))
+        for name, gr in ref.items():
+            bound = a_log_bound if name == "A_log" else 0.008
+            assert rel_err(gs[name], gr) <= bound, (knob, name, rel_err(gs[name], gr))
 
 
-# ---- the chunk backward's bf16 products (chunk_bwd.cpp, only with the knob's bf16) -------------
+# ---- the chunk backward's bf16 products (chunk_bwd.cpp) ----------------------------------------
 
 def chunk_bwd_grads(p, do, ds, products, monkeypatch):
     """Gradients of <o, do> + <final_state, ds> by kda::chunk_bwd with the given products, from the
@@ -198,14 +206,21 @@ def test_bf16_backward_products_with_strong_decays(kind, monkeypatch):
         assert rel_err(g16[name], gr) <= 0.008, (name, rel_err(g16[name], gr))
 
 
-def test_backward_keeps_fp32_products_under_auto(monkeypatch):
-    # auto turns on the forward's bf16 products where the CPU has AMX, not the backward's.
-    p = make_problem(B=1, T=100, H=1, HV=2, K=16, V=32, gate="softplus", seed=12).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_products_under_auto_are_the_forwards(dtype, monkeypatch):
+    # auto takes the backward's products as the forward's: bf16 ones for bf16 inputs where the
+    # CPU has AMX, fp32 ones elsewhere and for fp16 inputs.
+    p = make_problem(B=1, T=100, H=1, HV=2, K=16, V=32, gate="softplus", seed=12).to(dtype)
     do, ds = cotangents(p)
+    monkeypatch.setenv(KNOB, "auto")
+    same = "bf16" if torch.ops.kda._chunk_bf16_products(dtype, 16, 32) else "fp32"
+    other = "fp32" if same == "bf16" else "bf16"
     g_auto = chunk_bwd_grads(p, do, ds, "auto", monkeypatch)
-    g32 = chunk_bwd_grads(p, do, ds, "fp32", monkeypatch)
-    for name in g32:
-        assert torch.equal(g_auto[name], g32[name]), name
+    g_same = chunk_bwd_grads(p, do, ds, same, monkeypatch)
+    g_other = chunk_bwd_grads(p, do, ds, other, monkeypatch)
+    for name in g_same:
+        assert torch.equal(g_auto[name], g_same[name]), name
+    assert any(not torch.equal(g_auto[n], g_other[n]) for n in g_auto)
 
 
 def test_bf16_backward_bitwise_identical_for_one_two_three_threads(monkeypatch):

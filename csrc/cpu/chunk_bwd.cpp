@@ -730,7 +730,7 @@ void run_chunk_bwd(const Inputs& in, const Config& cfg, const BwdSetup& s,
                    const InputGrads& out) {
   const Dims& d = s.d;
   const chunk::Products products = std::is_same_v<T, float>
-      ? chunk::choose_bwd_products(in.q.scalar_type(), d.K, d.V, cfg.op)
+      ? chunk::choose_products(in.q.scalar_type(), d.K, d.V, cfg.op)
       : chunk::Products::kNative;
   // One workspace per thread (forward pieces, then the backward's), reused by all its units.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());

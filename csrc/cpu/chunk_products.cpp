@@ -47,11 +47,6 @@ Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char*
   return knob == "bf16" ? Products::kBf16Emulated : Products::kNative;
 }
 
-Products choose_bwd_products(at::ScalarType input, int64_t K, int64_t V, const char* op) {
-  const Products p = choose_products(input, K, V, op);
-  return products_knob(op) == "bf16" ? p : Products::kNative;
-}
-
 ProductWork::ProductWork(Products mode_, Carver& c, int64_t K, int64_t V) : mode(mode_) {
   const int64_t R = std::max(K, kC);
   nw = c.take<at::BFloat16>(kC * K);

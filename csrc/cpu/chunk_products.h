@@ -7,7 +7,7 @@
 // operands). The running state, U and the outputs stay fp32;
 // S, Vn, T and R are rounded to bf16 only as product operands (FLA's chunk kernels do the same).
 // fp32 / fp64 inputs always keep fp32 / fp64 products. The chunk backward (chunk_bwd.cpp) has
-// bf16 products of the same kind, which only the knob's bf16 turns on (choose_bwd_products).
+// bf16 products of the same kind, chosen by the same rule.
 //
 // One knob, the environment variable TORCH_KDA_CHUNK_PRODUCTS, read at each call:
 //   auto (default)  bf16 products for bf16 inputs where the CPU packs bf16 for the GEMM library
@@ -39,16 +39,15 @@ enum class Products {
   kBf16Emulated,  // the same numerics through the fp32 GEMM
 };
 
-// The products of a chunk forward with inputs of dtype `input` and head sizes K, V (reads
-// TORCH_KDA_CHUNK_PRODUCTS; an unknown value raises c10::Error naming it; `op` prefixes it).
+// The products of a chunk forward or backward with inputs of dtype `input` and head sizes K, V
+// (reads TORCH_KDA_CHUNK_PRODUCTS; an unknown value raises c10::Error naming it; `op` prefixes
+// it). The backward takes the forward's choice: with the forward's bf16 products the gradient of
+// A_log (a sum with cancellation over all tokens and channels) already carries their error (up
+// to 1.5e-2 relative to float64 on a small GVA / V-first problem), the backward's add little to
+// it (1.9e-2) and make it ~15% faster on the 16-core AMX host; FLA's own kernels measured
+// 1.2-2x our gradient errors on the same inputs (docs/benchmarks.md "Accuracy of the bf16
+// products").
 Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op);
-
-// The products of the chunk backward (csrc/cpu/chunk_bwd.cpp): as choose_products, except that
-// auto keeps fp32 products there: its bf16 products run only when the knob says bf16. They made
-// the backward 1.2x faster on the 16-core AMX host, but with them the gradient of A_log (a long
-// sum with cancellation) reached 9.1e-3 relative to float64 on one GVA / V-first configuration,
-// over FLA's 0.008 bar (fp32 backward products: 5.3e-3 there); docs/benchmarks.md.
-Products choose_bwd_products(at::ScalarType input, int64_t K, int64_t V, const char* op);
 
 // Per-thread operands of the bf16 state products, parts of a thread's workspace (carver.h), except qg and kdecT, which are per chunk (chunk::bind_results points
 // them into the forward's store of chunk results). A operands (bf16, row-major, zero past the

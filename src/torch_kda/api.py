@@ -255,11 +255,14 @@ def chunk_kda(
     The ``"reference"`` backend runs the chunkwise form (docs/math.md "Chunkwise form"; Kimi Linear
     report Eq. 10); ``"native"`` runs the C++ chunkwise kernel ``torch.ops.kda.chunk`` (matrix
     products over chunks of 64 tokens, fp32 products and accumulation, fp64 for fp64 inputs; for
-    bf16 inputs the state products take bf16 operands with fp32 accumulation on CPUs with AMX,
-    as FLA's kernels do: about 0.8x the error of FLA's own chunk kernel on the same inputs,
-    within FLA's bar of 0.005 relative RMS at FLA's initialisation, up to ~0.014 with very slow
-    decays and beta near 2 (FLA's kernel: 0.017; the recurrent kernel: 0.0017, the rounding of
-    the output; docs/benchmarks.md "Accuracy of the bf16 products"); the environment variable
+    bf16 inputs the state products (forward and backward) take bf16 operands with fp32
+    accumulation on CPUs with AMX, as FLA's kernels do: about 0.8x the error of FLA's own chunk
+    kernel on the same inputs, within FLA's bar of 0.005 relative RMS at FLA's initialisation,
+    up to ~0.014 with very slow decays and beta near 2 (FLA's kernel: 0.017; the recurrent
+    kernel: 0.0017, the rounding of the output); gradients 0.5-0.8x FLA's errors, within its
+    0.008 at its initialisation but for ``A_log``'s (a sum with cancellation: up to ~0.019,
+    FLA's 0.023; fp32 products 0.0024; docs/benchmarks.md "Accuracy of the bf16 products"); the
+    environment variable
     ``TORCH_KDA_CHUNK_PRODUCTS=auto|fp32|bf16`` chooses, ``fp32`` keeps fp32 products,
     docs/math.md "Chunkwise form"; otherwise the same result as the recurrent kernel to
     rounding); ``"fla"`` calls FLA's Triton kernels. The native

@@ -223,7 +223,8 @@ def prefer_chunk(x: KDAInputs) -> bool:
       measured 0.4-0.95x of the recurrent one (AVX2, AVX-512 without AMX, and fp32 inputs on
       AMX);
     - no gradient is recorded: the chunk forward + backward measured 0.74-0.90x of the recurrent
-      pair at 1 thread on the AMX host (1.03-1.21x at 16 threads with H >= 16 only);
+      pair at 1 thread on the AMX host (at 16 threads with H >= 16 only 1.03-1.21x, 1.15-1.21x
+      at H16 since its backward takes bf16 products too);
     - sequences of at least ``_CHUNK_MIN_MEAN_TOKENS`` tokens on average (decoding, T = 1,
       never);
     - at least 2 (sequence, value head) units per thread: the chunk kernel's state steps run one

@@ -259,7 +259,7 @@ def chunk_kda(
     accumulation on CPUs with AMX, as FLA's kernels do: about 0.8x the error of FLA's own chunk
     kernel on the same inputs, within FLA's bar of 0.005 relative RMS at FLA's initialisation,
     up to ~0.014 with very slow decays and beta near 2 (FLA's kernel: 0.017; the recurrent
-    kernel: 0.0017, the rounding of the output); gradients 0.5-0.8x FLA's errors, within its
+    kernel: 0.0017, the rounding of the output); gradients 0.1-0.9x FLA's errors, within its
     0.008 at its initialisation but for ``A_log``'s (a sum with cancellation: up to ~0.019,
     FLA's 0.023; fp32 products 0.0024; docs/benchmarks.md "Accuracy of the bf16 products"); the
     environment variable

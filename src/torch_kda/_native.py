@@ -222,9 +222,11 @@ def prefer_chunk(x: KDAInputs) -> bool:
       brgemm, i.e. AMX; TORCH_KDA_CHUNK_PRODUCTS not ``fp32``). Elsewhere the chunk forward
       measured 0.4-0.95x of the recurrent one (AVX2, AVX-512 without AMX, and fp32 inputs on
       AMX);
-    - no gradient is recorded: the chunk forward + backward measured 0.74-0.90x of the recurrent
-      pair at 1 thread on the AMX host (at 16 threads with H >= 16 only 1.03-1.21x, 1.15-1.21x
-      at H16 since its backward takes bf16 products too);
+    - no gradient is recorded: the chunk forward + backward, with bf16 products in its backward
+      too, measured 1.06-1.21x the recurrent pair on the AMX host (1 thread at H4 / H16, 16
+      threads at H16), but 0.88-0.94x at H4 with 16 threads, and its gradient of A_log carries
+      up to 1.9e-2 relative error against the recurrent op's 2.4e-3 (docs/benchmarks.md
+      "Accuracy of the bf16 products"): training keeps the recurrent pair;
     - sequences of at least ``_CHUNK_MIN_MEAN_TOKENS`` tokens on average (decoding, T = 1,
       never);
     - at least 2 (sequence, value head) units per thread: the chunk kernel's state steps run one

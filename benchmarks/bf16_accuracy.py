@@ -4,6 +4,14 @@
     TORCH_KDA_CHUNK_PRODUCTS=bf16 python benchmarks/bf16_accuracy.py chunk recurrent
     python benchmarks/bf16_accuracy.py --grads BACKEND...   # the gradients instead, T = 1K
     python benchmarks/bf16_accuracy.py --only "FLA init" --grads fla   # the cases named so
+    python benchmarks/bf16_accuracy.py --sweep     # A_log's gradient over 40 seeds, per products
+
+With ``--sweep``: a small problem (B 2, T 130, H 2, HV 4, K 32, V 48, V-first initial state, the
+softplus gate in the op) over 40 seeds, with fp32 or bf16 products in the native chunk kernel's
+forward and backward (TORCH_KDA_CHUNK_PRODUCTS set for each direction; the emulation where the CPU
+has no AMX): the worst relative error of each gradient against float64 autograd of the reference
+on the same bf16 inputs. ``A_log``'s gradient, sums with cancellation over all tokens and channels,
+is the one that grows with bf16 products.
 
 With ``--grads``: the relative RMS error of each input's gradient (random cotangents of the output
 and the final state) against float64 autograd of the reference on the same bf16-rounded inputs,
@@ -100,12 +108,57 @@ def grads(backends):
         print(line, flush=True)
 
 
+def sweep(seeds=range(100, 140)):
+    import os
+    modes = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")]  # forward / backward products
+    names = ["q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias"]
+    B, T, H, HV, K, V = 2, 130, 2, 4, 32, 48
+    for fwd, bwd in modes:
+        worst = {}
+        for seed in seeds:
+            gen = torch.Generator().manual_seed(seed)
+            r = lambda *s, scale=1.0: torch.randn(*s, generator=gen, dtype=torch.float64) * scale
+            q, k, v, g = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V), r(B, T, HV, K)
+            dt_bias, A_log, beta, h0 = r(HV * K, scale=0.5), r(HV, scale=0.5), r(B, T, HV), r(B, HV, V, K, scale=0.5)
+            leaves = dict(zip(names, (q, k, v, g, beta, h0, A_log, dt_bias)))
+            # bf16 inputs; the state and the gate's parameters fp32, as a model keeps them
+            side = ("initial_state", "A_log", "dt_bias")
+            leaves = {n: (t.float() if n in side else t.bfloat16()).double() for n, t in leaves.items()}
+            kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                      state_v_first=True, output_final_state=True)
+
+            def grads_of(dtype, fn):
+                xs = {n: t.to(torch.float32 if n in side and dtype != torch.float64 else dtype)
+                      .requires_grad_() for n, t in leaves.items()}
+                o, s = fn(*[xs[n] for n in names[:5]], initial_state=xs["initial_state"],
+                          A_log=xs["A_log"], dt_bias=xs["dt_bias"], **kw)
+                if dtype == torch.bfloat16:
+                    os.environ["TORCH_KDA_CHUNK_PRODUCTS"] = bwd
+                cg = torch.Generator().manual_seed(123)  # tests/test_chunk_products.py's cotangents
+                d_o, d_s = (torch.randn(t.shape, generator=cg, dtype=torch.float64) for t in (o, s))
+                loss = (o.double() * d_o).sum() + (s.double() * d_s).sum()
+                return dict(zip(names, torch.autograd.grad(loss, [xs[n] for n in names])))
+
+            ref = grads_of(torch.float64, torch_kda.reference.fused_recurrent_kda)
+            os.environ["TORCH_KDA_CHUNK_PRODUCTS"] = fwd
+            got = grads_of(torch.bfloat16, lambda *a, **k: torch_kda.chunk_kda(*a, **k, backend="native"))
+            for n in names:
+                e = rel(got[n], ref[n])
+                worst[n] = max(worst.get(n, (0, 0)), (e, seed))
+        others = max(e for n, (e, _) in worst.items() if n != "A_log")
+        print(f"products forward {fwd} / backward {bwd}: worst of the other gradients {others:.1e}, "
+              f"A_log {worst['A_log'][0]:.1e} (seed {worst['A_log'][1]})", flush=True)
+    os.environ.pop("TORCH_KDA_CHUNK_PRODUCTS")
+
+
 if sys.argv[1:2] == ["--only"]:  # FLA's autotuning takes minutes per case on a fresh machine
     only = sys.argv[2]
     del sys.argv[1:3]
     all_cases = cases
     cases = lambda: ((name, case) for name, case in all_cases() if only in name)
-if sys.argv[1:2] == ["--grads"]:
+if sys.argv[1:2] == ["--sweep"]:
+    sweep()
+elif sys.argv[1:2] == ["--grads"]:
     grads(sys.argv[2:])
 else:
     outputs()

@@ -26,7 +26,10 @@ cases (H = 2, B = 1; same seeds on every machine) go from FLA's initialisation o
 slow decays with beta near 1 or 2 (allow_neg_eigval), where rounding the state to bf16 as a
 product operand, in every chunk, adds up. docs/benchmarks.md, "Accuracy of the bf16 products".
 """
-import math, sys, torch, torch_kda
+import math, os, sys, torch, torch_kda
+
+ONLY = ""  # --only TEXT: the cases whose name holds TEXT
+
 
 def cases():
     def gen(seed, T, K, g_scale, bshift, neg, fla_init):
@@ -45,12 +48,15 @@ def cases():
         else:
             g = -torch.rand(1, T, H, K, generator=gen) * g_scale
         return [x.bfloat16() for x in (q, k, v, g, beta)], kw
-    yield "K64 T2K g~U(-1e-3,0) beta=2sig(N+3) neg", gen(0, 2048, 64, 1e-3, 3, True, False)
-    yield "K64 T2K g~U(-1e-3,0) beta=sig(N+3)", gen(0, 2048, 64, 1e-3, 3, False, False)
-    yield "K128 T4K g~U(-1e-3,0) beta=sig(N+3)", gen(1, 4096, 128, 1e-3, 3, False, False)
-    yield "K128 T4K g~U(-1e-3,0) beta=2sig(N+2) neg", gen(2, 4096, 128, 1e-3, 2, True, False)
-    yield "K128 T4K FLA init gate, beta=sig(N)", gen(3, 4096, 128, 0, 0, False, True)
-    yield "K128 T4K FLA init gate, beta=2sig(N) neg", gen(4, 4096, 128, 0, 0, True, True)
+    for name, args in [  # (name, gen's arguments)
+            ("K64 T2K g~U(-1e-3,0) beta=2sig(N+3) neg", (0, 2048, 64, 1e-3, 3, True, False)),
+            ("K64 T2K g~U(-1e-3,0) beta=sig(N+3)", (0, 2048, 64, 1e-3, 3, False, False)),
+            ("K128 T4K g~U(-1e-3,0) beta=sig(N+3)", (1, 4096, 128, 1e-3, 3, False, False)),
+            ("K128 T4K g~U(-1e-3,0) beta=2sig(N+2) neg", (2, 4096, 128, 1e-3, 2, True, False)),
+            ("K128 T4K FLA init gate, beta=sig(N)", (3, 4096, 128, 0, 0, False, True)),
+            ("K128 T4K FLA init gate, beta=2sig(N) neg", (4, 4096, 128, 0, 0, True, True))]:
+        if ONLY in name:
+            yield name, gen(*args)
 
 rel = lambda a, b: ((a.double().cpu() - b).norm() / b.norm()).item()
 
@@ -109,7 +115,7 @@ def grads(backends):
 
 
 def sweep(seeds=range(100, 140)):
-    import os
+    knob = os.environ.get("TORCH_KDA_CHUNK_PRODUCTS")
     modes = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")]  # forward / backward products
     names = ["q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias"]
     B, T, H, HV, K, V = 2, 130, 2, 4, 32, 48
@@ -148,14 +154,15 @@ def sweep(seeds=range(100, 140)):
         others = max(e for n, (e, _) in worst.items() if n != "A_log")
         print(f"products forward {fwd} / backward {bwd}: worst of the other gradients {others:.1e}, "
               f"A_log {worst['A_log'][0]:.1e} (seed {worst['A_log'][1]})", flush=True)
-    os.environ.pop("TORCH_KDA_CHUNK_PRODUCTS")
+    if knob is None:
+        os.environ.pop("TORCH_KDA_CHUNK_PRODUCTS")
+    else:
+        os.environ["TORCH_KDA_CHUNK_PRODUCTS"] = knob
 
 
 if sys.argv[1:2] == ["--only"]:  # FLA's autotuning takes minutes per case on a fresh machine
-    only = sys.argv[2]
+    ONLY = sys.argv[2]
     del sys.argv[1:3]
-    all_cases = cases
-    cases = lambda: ((name, case) for name, case in all_cases() if only in name)
 if sys.argv[1:2] == ["--sweep"]:
     sweep()
 elif sys.argv[1:2] == ["--grads"]:

@@ -12,6 +12,12 @@ threads: wall time. Alternate the builds between calls, e.g.::
     for r in 1 2; do for lib in /tmp/base/libkda.so /tmp/new/libkda.so; do
       python benchmarks/ab_chunk_bwd.py $lib --dtype bf16; done; done
 
+``--profile SECONDS`` runs only the chunk backward, call after call, for that long after its
+warm-up, for a profiler to sample (docs/benchmarks.md, "The backward takes the forward's
+products")::
+
+    perf record -D 5000 python benchmarks/ab_chunk_bwd.py LIB --dtype fp32 --heads 4 --seq-len 4096 --profile 6
+
 Prints one line per call: medians over ``--reps`` (ms), the backward's and forward + backward's
 recurrent / chunk speed ratios, and a digest of the chunk backward's gradients (equal digests:
 bitwise equal gradients; the products' precision follows TORCH_KDA_CHUNK_PRODUCTS).
@@ -37,7 +43,10 @@ def digest(tensors) -> str:
 
 
 def main() -> None:
-    a, args, rnd, dt = chunk_problem(__doc__.split("\n\n")[0])
+    a, args, rnd, dt = chunk_problem(
+        __doc__.split("\n\n")[0],
+        lambda p: p.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
+                                 help="run only the chunk backward for this long"))
     H, T = a.heads, a.seq_len
     kda = torch.ops.kda
     o, _, ckpt = kda.fused_recurrent_fwd(*args)
@@ -49,6 +58,13 @@ def main() -> None:
            "chunk_bwd": lambda: kda.chunk_bwd(d_o, None, ckpt, *args)}
     for fn in fns.values():
         fn()  # warm-up (output cache)
+    if a.profile > 0:
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < a.profile:
+            fns["chunk_bwd"]()
+            calls += 1
+        print(f"chunk_bwd: {calls} calls, {(time.perf_counter() - t0) / calls * 1e3:.1f} ms each")
+        return
     times = {name: [] for name in fns}
     for _ in range(a.reps):
         for name, fn in fns.items():

@@ -26,15 +26,17 @@ import torch
 from ab_libs import build_parser  # this folder is the script's sys.path[0]
 
 
-def chunk_problem(description: str):
+def chunk_problem(description: str, add_arguments=None):
     """Parses the A/B arguments (ab_libs.build_parser plus --dtype, --a-log), loads ``a.lib``, sets
     the thread count and makes the inputs. Returns the parsed arguments, the operator arguments
     (``q, k, v, g, beta, scale, ...`` in the schema order of ``kda::chunk``), ``rnd(*shape)`` for
     further random tensors from the same generator, and the input dtype; also used by
-    benchmarks/ab_chunk_bwd.py."""
+    benchmarks/ab_chunk_bwd.py. ``add_arguments(parser)``, if given, adds a caller's own options."""
     p = build_parser(description)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--a-log", type=float, default=None)
+    if add_arguments:
+        add_arguments(p)
     a = p.parse_args()
     torch.ops.load_library(a.lib)
     torch.set_num_threads(a.threads)

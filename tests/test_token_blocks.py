@@ -1,9 +1,9 @@
 """The native forward runs long inputs in token blocks (csrc/cpu/recurrent_fwd.cpp): q, k, the
 decays and beta of one block of every sequence are pre-processed into a small reused workspace,
-then the recurrence runs over the block. A block holds about 8 MB of pre-processed rows (the
-chunk forward's 2 MB), so HV * K of about two thousand makes blocks of a few hundred tokens (the
-chunk forward's one or a few chunks): these shapes cross several block boundaries (the state and
-the next token's read carry across them).
+then the recurrence runs over the block. A block holds about 2 MB of pre-processed rows per
+thread (the chunk forward's 2 MB), so HV * K of about two thousand makes blocks of a few hundred
+tokens at most (the chunk forward's one or a few chunks): these shapes cross several block
+boundaries (the state and the next token's read carry across them).
 
 Both backwards (csrc/cpu/bwd_common.cpp, run_bwd_blocked: the recurrent and the chunkwise
 kernels) run in blocks of whole 64-token chunks, last block first: the pre-processing, the

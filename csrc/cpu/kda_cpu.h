@@ -210,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_forward(const Inputs& in, con
 // which rows they hold. An empty sequence appears in block 0 with rs == re.
 // The kernel that run_fwd_blocked's blocks feed (recurrent_fwd.cpp, plan_blocks, says why the sizes):
 enum class BlockKernel {
-  kRecurrent,  // 8 MB of rows, 2 MB more per thread beyond 4 threads (its results do not depend
+  kRecurrent,  // 2 MB of rows per thread (its results do not depend
                // on where blocks start); the rows include a * khat (A.ak), its next token's read
   kChunk,      // 2 MB of rows, at least 4 chunks of each sequence: the shapes only (the chunk
                // forward's last bits depend on where blocks cut packed sequences); the kernel

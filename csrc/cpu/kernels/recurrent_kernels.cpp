@@ -580,7 +580,8 @@ void fwd_block(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
 // Forward of slices [s_begin, s_end) (kFwdSlice columns each) of value head hv of sequence n.
 // Time-blocked: a block of tokens runs through every slice before the next block, so the
 // block's q/k/decay rows are read from memory once and reused from cache by all slices, while
-// each slice's state stays in L1 during its block.
+// each slice's state stays in L1 during its block. The states live in A.slices from range to
+// range (no reload per token block).
 template <typename T>
 void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
               int64_t rs, int64_t re, T* ws) {
@@ -589,13 +590,14 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   constexpr int64_t NVmax = (kFwdSlice + L - 1) / L;
   constexpr int64_t kBlock = 64;
   const int64_t K = A.K, Vd = A.V, HV = A.HV;
-  const int64_t ts = A.seqs.seq_start[n];
+  const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
   const int64_t n_sl = s_end - s_begin;
+  const int64_t n_all = (Vd + kFwdSlice - 1) / kFwdSlice;
   static_assert(NVmax * L == kFwdSlice, "a slice is a whole number of vectors");
-  // The caller's scratch (fwd_scratch_elems): states, reads, zeros.
-  V* const S_ws = reinterpret_cast<V*>(ws);
-  V* const r_ws = S_ws + n_sl * K * NVmax;
-  T* const zeros = ws + n_sl * (K * kFwdSlice + kFwdSlice);
+  // The unit's states in A.slices; the caller's scratch (fwd_scratch_elems): reads, zeros.
+  V* const S_ws = reinterpret_cast<V*>(A.slices) + ((n * HV + hv) * n_all + s_begin) * K * NVmax;
+  V* const r_ws = reinterpret_cast<V*>(ws);
+  T* const zeros = ws + n_sl * kFwdSlice;
   for (int64_t i = 0; i < K; ++i) zeros[i] = T(0);
   const int64_t state_base = (n * HV + hv) * K * Vd;  // in [N, HV, K, V]
   auto slice = [&](int64_t i, int64_t& j0, int64_t& width, int64_t& nv) {
@@ -603,13 +605,13 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
     width = imin(kFwdSlice, Vd - j0);
     nv = (width + L - 1) / L;
   };
-  for (int64_t i = 0; i < n_sl; ++i) {
+  // The range that starts the sequence reads the initial state (or zeros); later ones find the
+  // running state where the previous range left it.
+  for (int64_t i = 0; rs == ts && i < n_sl; ++i) {
     int64_t j0, width, nv;
     slice(i, j0, width, nv);
     V* Si = S_ws + i * K * NVmax;
-    // The range that starts the sequence reads the initial state (or zeros), later ones the
-    // running state that the previous range left in ht.
-    const T* src = rs == ts ? (A.h0 ? A.h0 + state_base + j0 : nullptr) : A.ht + state_base + j0;
+    const T* src = A.h0 ? A.h0 + state_base + j0 : nullptr;
     if (nv <= 1) {
       load_slice<T, 1>(Si, src, K, Vd, width);
     } else if (nv == 2) {
@@ -640,7 +642,7 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
     }
   }
   if (A.ckpt) stream_fence();  // the checkpoints' non-temporal stores, before another thread reads
-  for (int64_t i = 0; i < n_sl; ++i) {
+  for (int64_t i = 0; re == te && i < n_sl; ++i) {
     int64_t j0, width, nv;
     slice(i, j0, width, nv);
     V* Si = S_ws + i * K * NVmax;

@@ -60,10 +60,15 @@ struct RecurrenceInputs {
 template <typename T>
 struct FwdArgs : RecurrenceInputs<T> {
   T* o = nullptr;           // [BT, HV, V]
-  // [N, HV, K, V]: the final state, and the running state between token ranges (a range that
-  // starts a sequence reads h0, any later range reads ht).
+  // [N, HV, K, V]: the final state (the recurrent kernels write it at the range that ends a
+  // sequence; the chunk forward keeps its running state there between token ranges too).
   T* ht = nullptr;
   T* ckpt = nullptr;        // [slots, HV, K, V] or null (no checkpoints)
+  // The recurrent kernels' running state between token ranges, in their own layout:
+  // [N, HV, ceil(V / kFwdSlice), K, kFwdSlice] (a range that starts a sequence fills it from h0
+  // or zeros; fwd_slices_elems). Kept in place from range to range: reloading and storing the
+  // state at every token block cost ~7% at H16 with 64-token blocks.
+  T* slices = nullptr;
 };
 
 // The backward: BT (of RecurrenceInputs) is the token stride of the pre-processed block arrays
@@ -145,11 +150,16 @@ struct PrepArgs {
   T* s_out = nullptr;
 };
 
-// Scratch of one forward call (elements of the compute type): per slice the K x kFwdSlice state
-// and the kFwdSlice-wide read (kFwdSlice is a multiple of every vector width), then K zeros;
-// multiples of 16 elements, so every part stays 64-byte aligned.
+// Scratch of one forward call (elements of the compute type): per slice the kFwdSlice-wide read
+// (kFwdSlice is a multiple of every vector width), then K zeros; multiples of 16 elements, so
+// every part stays 64-byte aligned.
 constexpr int64_t fwd_scratch_elems(int64_t K, int64_t n_slices) {
-  return n_slices * (K * kFwdSlice + kFwdSlice) + (K + 15) / 16 * 16;
+  return n_slices * kFwdSlice + (K + 15) / 16 * 16;
+}
+
+// FwdArgs::slices of N sequences and HV value heads (elements of the compute type).
+constexpr int64_t fwd_slices_elems(int64_t N, int64_t HV, int64_t K, int64_t V) {
+  return N * HV * ((V + kFwdSlice - 1) / kFwdSlice) * K * kFwdSlice;
 }
 
 // Scratch of one backward call (elements of the compute type). The backward keeps its slices
@@ -177,7 +187,8 @@ struct Table {
   PrepReport (*prep_f32)(const PrepArgs<float>&, int64_t t0, int64_t t1);
   PrepReport (*prep_f64)(const PrepArgs<double>&, int64_t t0, int64_t t1);
   // Forward of tokens [t0, t1) of sequence n (a range inside it; t0 == seq_start reads h0, else
-  // ht), slices [s_begin, s_end) (kFwdSlice columns each) of value head hv; the state goes to ht.
+  // the state A.slices holds), slices [s_begin, s_end) (kFwdSlice columns each) of value head
+  // hv; the state stays in A.slices, and goes to ht at the range that ends the sequence.
   // ws: the calling thread's scratch, fwd_scratch_elems(K, s_end - s_begin) elements, 64-byte
   // aligned (owned by the driver and reused by every call of the thread: no allocation here).
   void (*fwd_f32)(const FwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,

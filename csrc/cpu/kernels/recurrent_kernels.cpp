@@ -595,7 +595,8 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   const int64_t n_all = (Vd + kFwdSlice - 1) / kFwdSlice;
   static_assert(NVmax * L == kFwdSlice, "a slice is a whole number of vectors");
   // The unit's states in A.slices; the caller's scratch (fwd_scratch_elems): reads, zeros.
-  V* const S_ws = reinterpret_cast<V*>(A.slices) + ((n * HV + hv) * n_all + s_begin) * K * NVmax;
+  T* const S_base = A.slices + ((n * HV + hv) * n_all + s_begin) * fwd_slice_stride(K);
+  auto state = [&](int64_t i) { return reinterpret_cast<V*>(S_base + i * fwd_slice_stride(K)); };
   V* const r_ws = reinterpret_cast<V*>(ws);
   T* const zeros = ws + n_sl * kFwdSlice;
   for (int64_t i = 0; i < K; ++i) zeros[i] = T(0);
@@ -610,7 +611,7 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   for (int64_t i = 0; rs == ts && i < n_sl; ++i) {
     int64_t j0, width, nv;
     slice(i, j0, width, nv);
-    V* Si = S_ws + i * K * NVmax;
+    V* Si = state(i);
     const T* src = A.h0 ? A.h0 + state_base + j0 : nullptr;
     if (nv <= 1) {
       load_slice<T, 1>(Si, src, K, Vd, width);
@@ -627,7 +628,7 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
     for (int64_t i = 0; i < n_sl; ++i) {
       int64_t j0, width, nv;
       slice(i, j0, width, nv);
-      V* Si = S_ws + i * K * NVmax;
+      V* Si = state(i);
       V* ri = r_ws + i * NVmax;
       if (nv <= 1) {
         fwd_block<T, 1>(A, n, hv, j0, width, t0, t1, rs, re, Si, ri, zeros);
@@ -645,7 +646,7 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   for (int64_t i = 0; re == te && i < n_sl; ++i) {
     int64_t j0, width, nv;
     slice(i, j0, width, nv);
-    V* Si = S_ws + i * K * NVmax;
+    V* Si = state(i);
     T* dst = A.ht + state_base + j0;
     if (nv <= 1) {
       store_slice<T, 1>(dst, Si, K, Vd, width);

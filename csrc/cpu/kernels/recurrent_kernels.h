@@ -65,8 +65,8 @@ struct FwdArgs : RecurrenceInputs<T> {
   T* ht = nullptr;
   T* ckpt = nullptr;        // [slots, HV, K, V] or null (no checkpoints)
   // The recurrent kernels' running state between token ranges, in their own layout:
-  // [N, HV, ceil(V / kFwdSlice), K, kFwdSlice] (a range that starts a sequence fills it from h0
-  // or zeros; fwd_slices_elems). Kept in place from range to range: reloading and storing the
+  // [N, HV, ceil(V / kFwdSlice)] slices of K x kFwdSlice, fwd_slice_stride apart (a range that
+  // starts a sequence fills them from h0 or zeros; fwd_slices_elems). Kept in place from range to range: reloading and storing the
   // state at every token block cost ~7% at H16 with 64-token blocks.
   T* slices = nullptr;
 };
@@ -157,9 +157,13 @@ constexpr int64_t fwd_scratch_elems(int64_t K, int64_t n_slices) {
   return n_slices * kFwdSlice + (K + 15) / 16 * 16;
 }
 
-// FwdArgs::slices of N sequences and HV value heads (elements of the compute type).
+// FwdArgs::slices: one slice's state (K x kFwdSlice) and a gap of kSliceGap elements after it,
+// so that a core streaming through its slice does not prefetch into the next one, which another
+// core is updating at every token. Elements of the compute type; multiples of 16.
+constexpr int64_t kSliceGap = 1024;
+constexpr int64_t fwd_slice_stride(int64_t K) { return K * kFwdSlice + kSliceGap; }
 constexpr int64_t fwd_slices_elems(int64_t N, int64_t HV, int64_t K, int64_t V) {
-  return N * HV * ((V + kFwdSlice - 1) / kFwdSlice) * K * kFwdSlice;
+  return N * HV * ((V + kFwdSlice - 1) / kFwdSlice) * fwd_slice_stride(K);
 }
 
 // Scratch of one backward call (elements of the compute type). The backward keeps its slices

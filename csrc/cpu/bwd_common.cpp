@@ -287,11 +287,11 @@ std::vector<at::Tensor> backward_outputs(const InputGrads& o, const Dims& d, con
 
 // Chunks of kChunk tokens per backward block: the block's pre-processed rows, partials and chain
 // rule inputs take about max(8, 2 x threads) MB (cache-resident, reused; the recurrent forward's
-// blocks are smaller at 1-3 threads, 2 MB per thread, measured for the forward only). With 8 MB at any thread count a block of H16 held one chunk, and on the 16-core host
-// every 64 tokens ended in three barriers of all threads: B1 T8K H16 bf16 at 16 threads, the
-// recurrent backward took 150-163 ms with 32 MB blocks against 172-184 ms, the chunk backward
-// 139-154 against 156-173. Results do not depend on where blocks start (tested), so the thread
-// count may set their size.
+// blocks are smaller at 1-3 threads, 2 MB per thread, measured for the forward only). With 8 MB at
+// any thread count a block of H16 held one chunk, and on the 16-core host every 64 tokens ended in
+// three barriers of all threads: B1 T8K H16 bf16 at 16 threads, the recurrent backward took 150-163
+// ms with 32 MB blocks against 172-184 ms, the chunk backward 139-154 against 156-173. Results do
+// not depend on where blocks start (tested), so the thread count may set their size.
 int64_t chunks_per_block(const Dims& d, int64_t groups, bool with_ak, const Config& cfg,
                          size_t elt) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());

@@ -205,22 +205,23 @@ namespace {
 // every sequence (tb tokens each) live in a small workspace (a few MB: cache-resident, and reused
 // by the allocator from call to call instead of page-faulting fresh full-size arrays in); the
 // recurrence runs over the block, then the next block is pre-processed. The chunk forward
-// pre-processes each chunk's rows of one head itself, right before its products read them from
-// L1 / L2 (through the block's rows they were read long after the pass wrote them, from L3 or
-// memory: docs/benchmarks.md, "The chunk forward pre-processes its own rows"); its blocks hold
-// only converted inputs and o rows, 2 MB of what would be its pre-processed rows (with 8 MB of
-// such rows the first reads had missed L2: B1 T8K H4 bf16, 1 thread, Zen 5 box, chunk forward
-// 42.6-43.0 -> 36.7-38.6 ms; the recurrent kernels gain nothing from smaller blocks: 32.4 ms
-// with 1 MB against 32.5 ms with 8 MB). For the recurrent kernels (BlockKernel::kRecurrent) the
-// workspace is 2 MB per thread, at least 2 MB: each block costs two parallel regions (the
-// pre-processing pass, then the units), and on the 16-core host 64-token blocks (H32) spent more
-// in those barriers than the smaller workspace saved (H32 at 16 threads 117-161K -> 160-170K
-// tokens/s with 32 MB); at 1 thread on the 2-core Zen 4 box 2 MB ran 4-14% faster than 8 MB
-// (B1 T8K H4 / H16, fp32 and bf16, alternating in one process; the pass that writes the rows
-// took about half as long with H16's 64-token blocks), and 32 MB 5-10% slower. Their results do not depend on the block size (each token's arithmetic is
-// the same in any block), so neither do they on the thread count (tests/test_concurrency.py
-// compares 1 and 8 threads where the plans differ). The chunk forward's products do depend on
-// how many chunks a block holds (in the last bits), so its blocks stay a function of the shapes.
+// pre-processes each chunk's rows of one head itself, right before its products read them from L1 /
+// L2 (through the block's rows they were read long after the pass wrote them, from L3 or memory:
+// docs/benchmarks.md, "The chunk forward pre-processes its own rows"); its blocks hold only
+// converted inputs and o rows, 2 MB of what would be its pre-processed rows (with 8 MB of such rows
+// the first reads had missed L2: B1 T8K H4 bf16, 1 thread, Zen 5 box, chunk forward 42.6-43.0 ->
+// 36.7-38.6 ms; the recurrent kernels gain nothing from smaller blocks: 32.4 ms with 1 MB against
+// 32.5 ms with 8 MB). For the recurrent kernels (BlockKernel::kRecurrent) the workspace is 2 MB per
+// thread, at least 2 MB: each block costs two parallel regions (the pre-processing pass, then the
+// units), and on the 16-core host 64-token blocks (H32) spent more in those barriers than the
+// smaller workspace saved (H32 at 16 threads 117-161K -> 160-170K tokens/s with 32 MB); at 1 thread
+// on the 2-core Zen 4 box 2 MB ran 4-14% faster than 8 MB (B1 T8K H4 / H16, fp32 and bf16,
+// alternating in one process; the pass that writes the rows took about half as long with H16's
+// 64-token blocks), and 32 MB 5-10% slower. Their results do not depend on the block size (each
+// token's arithmetic is the same in any block), so neither do they on the thread count
+// (tests/test_concurrency.py compares 1 and 8 threads where the plans differ). The chunk forward's
+// products do depend on how many chunks a block holds (in the last bits), so its blocks stay a
+// function of the shapes.
 struct BlockPlan {
   int64_t tb = 0;        // tokens of a sequence per block
   int64_t n_blocks = 0;

@@ -68,7 +68,9 @@ struct FwdArgs : RecurrenceInputs<T> {
   // [N, HV, ceil(V / kFwdSlice)] slices of K x kFwdSlice, fwd_slice_stride apart (a range that
   // starts a sequence fills them from h0 or zeros; fwd_slices_elems). Kept in place from range
   // to range: reloading it from ht and storing it back at every token block took 2.3% of a call
-  // at H16 with 256-token blocks (perf), and blocks of 64 tokens are four times as many.
+  // at H16 with 256-token blocks (perf), and blocks of 64 tokens are four times as many. Null
+  // for a call in one token block: the thread's scratch then holds the state, loaded from h0 (or
+  // ht) and stored to ht at every range, with no extra state-sized buffer to write back.
   T* slices = nullptr;
 };
 
@@ -151,18 +153,20 @@ struct PrepArgs {
   T* s_out = nullptr;
 };
 
-// Scratch of one forward call (elements of the compute type): per slice the kFwdSlice-wide read
-// (kFwdSlice is a multiple of every vector width), then K zeros; multiples of 16 elements, so
-// every part stays 64-byte aligned.
-constexpr int64_t fwd_scratch_elems(int64_t K, int64_t n_slices) {
-  return n_slices * kFwdSlice + (K + 15) / 16 * 16;
-}
-
 // FwdArgs::slices: one slice's state (K x kFwdSlice) and a gap of kSliceGap elements after it,
 // so that a core streaming through its slice does not prefetch into the next one, which another
 // core is updating at every token. Elements of the compute type; multiples of 16.
 constexpr int64_t kSliceGap = 1024;
 constexpr int64_t fwd_slice_stride(int64_t K) { return K * kFwdSlice + kSliceGap; }
+
+// Scratch of one forward call (elements of the compute type): per slice the kFwdSlice-wide read
+// (kFwdSlice is a multiple of every vector width), then K zeros, then (used without
+// FwdArgs::slices) per slice a state, fwd_slice_stride apart; multiples of 16 elements, so
+// every part stays 64-byte aligned.
+constexpr int64_t fwd_scratch_elems(int64_t K, int64_t n_slices) {
+  return n_slices * kFwdSlice + (K + 15) / 16 * 16 + n_slices * fwd_slice_stride(K);
+}
+
 constexpr int64_t fwd_slices_elems(int64_t N, int64_t HV, int64_t K, int64_t V) {
   return N * HV * ((V + kFwdSlice - 1) / kFwdSlice) * fwd_slice_stride(K);
 }

@@ -581,7 +581,7 @@ void fwd_block(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
 // Time-blocked: a block of tokens runs through every slice before the next block, so the
 // block's q/k/decay rows are read from memory once and reused from cache by all slices, while
 // each slice's state stays in L1 during its block. The states live in A.slices from range to
-// range (no reload per token block).
+// range (no reload per token block), or for a call in one token block in the scratch.
 template <typename T>
 void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
               int64_t rs, int64_t re, T* ws) {

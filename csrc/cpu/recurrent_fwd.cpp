@@ -427,7 +427,7 @@ void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Seq
       std::max<int64_t>(1, std::min(n_slices, (2 * threads + heads - 1) / heads));
   const int64_t units = d.N * d.HV * groups;
 
-  // One scratch per thread (states of the unit's slices, reads, zeros), reused by all its units
+  // One scratch per thread (reads, zeros, states of the unit's slices), reused by all its units
   // and blocks: no allocation inside the parallel regions.
   const int64_t ws_stride = kernels::fwd_scratch_elems(d.K, n_slices);
   const auto opts = in.q.options().dtype(compute_dtype(in.q));
@@ -435,15 +435,17 @@ void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Seq
   T* const ws0 = thread_ws.data_ptr<T>();
   // The running states between token blocks, in the kernels' layout (FwdArgs::slices); a call
   // in one block keeps them in the threads' scratch instead.
-  const bool blocks = plan_blocks(d, seqs, sizeof(T), BlockKernel::kRecurrent).n_blocks > 1;
+  const bool several_blocks =
+      plan_blocks(d, seqs, sizeof(T), BlockKernel::kRecurrent).n_blocks > 1;
   const at::Tensor states =
-      blocks ? empty_output({kernels::fwd_slices_elems(d.N, d.HV, d.K, d.V)}, opts) : at::Tensor();
+      several_blocks ? empty_output({kernels::fwd_slices_elems(d.N, d.HV, d.K, d.V)}, opts)
+                     : at::Tensor();
   run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, BlockKernel::kRecurrent,
                      [&](const kernels::FwdArgs<T>& block_args, const BlockPrep<T>&,
                          const std::vector<int64_t>& rs, const std::vector<int64_t>& re,
                          int64_t j) {
     kernels::FwdArgs<T> A = block_args;
-    A.slices = blocks ? states.data_ptr<T>() : nullptr;
+    A.slices = several_blocks ? states.data_ptr<T>() : nullptr;
     // An empty sequence still runs once (in block 0), so its final state is its initial state.
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {

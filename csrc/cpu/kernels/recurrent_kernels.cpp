@@ -594,14 +594,13 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   const int64_t n_sl = s_end - s_begin;
   const int64_t n_all = (Vd + kFwdSlice - 1) / kFwdSlice;
   static_assert(NVmax * L == kFwdSlice, "a slice is a whole number of vectors");
-  // The caller's scratch (fwd_scratch_elems): reads, zeros, states. The states: with A.slices
-  // the unit's slots there, kept from range to range (loaded at the range that starts the
-  // sequence, stored at the one that ends it); without, the scratch's, loaded and stored at
-  // every range.
-  const bool kept = A.slices != nullptr;
+  // The caller's scratch (fwd_scratch_elems): reads, zeros, states. The states are the unit's
+  // slots of A.slices, kept from range to range, or without A.slices (every sequence in one
+  // range) the scratch's. Either way they are loaded at the range that starts the sequence and
+  // stored at the one that ends it.
   V* const r_ws = reinterpret_cast<V*>(ws);
   T* const zeros = ws + n_sl * kFwdSlice;
-  T* const S_base = kept ? A.slices + ((n * HV + hv) * n_all + s_begin) * fwd_slice_stride(K)
+  T* const S_base = A.slices ? A.slices + ((n * HV + hv) * n_all + s_begin) * fwd_slice_stride(K)
                          : zeros + (K + 15) / 16 * 16;
   auto state = [&](int64_t i) { return reinterpret_cast<V*>(S_base + i * fwd_slice_stride(K)); };
   for (int64_t i = 0; i < K; ++i) zeros[i] = T(0);
@@ -612,12 +611,12 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
     nv = (width + L - 1) / L;
   };
   // The range that starts the sequence reads the initial state (or zeros); later ones find the
-  // running state where the previous range left it (in A.slices, else in ht).
-  for (int64_t i = 0; (rs == ts || !kept) && i < n_sl; ++i) {
+  // running state where the previous range left it.
+  for (int64_t i = 0; rs == ts && i < n_sl; ++i) {
     int64_t j0, width, nv;
     slice(i, j0, width, nv);
     V* Si = state(i);
-    const T* src = rs != ts ? A.ht + state_base + j0 : A.h0 ? A.h0 + state_base + j0 : nullptr;
+    const T* src = A.h0 ? A.h0 + state_base + j0 : nullptr;
     if (nv <= 1) {
       load_slice<T, 1>(Si, src, K, Vd, width);
     } else if (nv == 2) {
@@ -648,7 +647,7 @@ void fwd_unit(const FwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
     }
   }
   if (A.ckpt) stream_fence();  // the checkpoints' non-temporal stores, before another thread reads
-  for (int64_t i = 0; (re == te || !kept) && i < n_sl; ++i) {
+  for (int64_t i = 0; re == te && i < n_sl; ++i) {
     int64_t j0, width, nv;
     slice(i, j0, width, nv);
     V* Si = state(i);

@@ -69,8 +69,8 @@ struct FwdArgs : RecurrenceInputs<T> {
   // starts a sequence fills them from h0 or zeros; fwd_slices_elems). Kept in place from range
   // to range: reloading it from ht and storing it back at every token block took 2.3% of a call
   // at H16 with 256-token blocks (perf), and blocks of 64 tokens are four times as many. Null
-  // for a call in one token block: the thread's scratch then holds the state, loaded from h0 (or
-  // ht) and stored to ht at every range, with no extra state-sized buffer to write back.
+  // only when every sequence runs in one range (a call in one token block): the thread's scratch
+  // then holds the state, with no extra state-sized buffer to write back.
   T* slices = nullptr;
 };
 
@@ -197,7 +197,8 @@ struct Table {
   PrepReport (*prep_f64)(const PrepArgs<double>&, int64_t t0, int64_t t1);
   // Forward of tokens [t0, t1) of sequence n (a range inside it; t0 == seq_start reads h0, else
   // the state A.slices holds), slices [s_begin, s_end) (kFwdSlice columns each) of value head
-  // hv; the state stays in A.slices, and goes to ht at the range that ends the sequence.
+  // hv; the state stays in A.slices (or the scratch, see FwdArgs::slices), and goes to ht at the
+  // range that ends the sequence.
   // ws: the calling thread's scratch, fwd_scratch_elems(K, s_end - s_begin) elements, 64-byte
   // aligned (owned by the driver and reused by every call of the thread: no allocation here).
   void (*fwd_f32)(const FwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,

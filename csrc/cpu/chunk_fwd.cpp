@@ -1,9 +1,9 @@
 // CPU forward of the chunkwise KDA (docs/math.md, "Chunkwise form"): the token blocks of the
 // recurrent forward (run_fwd_blocked), and in each block the chunks of kChunk tokens of every
-// (sequence, value head) unit through the shared pieces of csrc/cpu/chunk_common.h: in waves,
-// the state-independent part of all the wave's chunks in parallel (each chunk pre-processes its
-// own rows of one head with the recurrent forward's pass, then chunk_intra), then each unit's
-// state steps in chunk order.
+// (sequence, value head) unit through the shared pieces of csrc/cpu/chunk_common.h: in waves of
+// a few chunks per unit, the state-independent part of every chunk in parallel (each chunk
+// pre-processes its own rows of one head with the recurrent forward's pass, then chunk_intra),
+// and each unit's state steps in chunk order as soon as its chunks' parts are done.
 //
 // Chunks start at origin + c * kChunk (as the recurrent forward's checkpoints: a sequence of a
 // varlen batch that starts inside a chunk has a shorter first chunk), so the checkpoints
@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
+#include <thread>
 #include <type_traits>
 
 namespace kda {
@@ -36,6 +38,27 @@ struct ChunkRows {
         beta(c.take<T>(chunk::kC)),
         v(c.take<T>(chunk::kC * V)) {}
 };
+
+// A unit's state steps in a wave (run_chunks): the next chunk to step and the last one + 1,
+// and whether a thread is running it (the flag's release / acquire hands the state over).
+struct UnitFlow {
+  std::atomic<int> busy{0};
+  int64_t next = 0, end = 0;
+};
+
+// One round of waiting in a spin loop: a pause instruction (which lets the core's other
+// hyperthread run), and after 64 rounds a yield, so that with more threads than cores a waiting
+// thread gives its core to the one it waits for.
+inline void spin_wait(int& rounds) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (++rounds < 64) {
+    __builtin_ia32_pause();
+    return;
+  }
+#endif
+  rounds = 0;
+  std::this_thread::yield();
+}
 
 template <typename U>
 U* at_offset(U* p, int64_t off) {
@@ -113,11 +136,12 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   char* const ws0 = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(ws.data_ptr()) + 63) / 64 * 64);
   // Waves: the next `wave` chunks of every unit of a group of at most 4 units per thread. Their
-  // state-independent parts (chunk_intra, ~3/4 of the work) run first, all in parallel, taken
-  // one by one from a shared counter (units differ: strongly decaying heads cost up to twice as
-  // much, and with about as many units as threads a static split leaves most threads waiting
-  // for the slowest head), then each unit's state steps in order. A wave has 4 to 8 chunks per
-  // thread; their results (~160 KB each at K = V = 128) live in `store` until the state steps.
+  // state-independent parts (chunk_intra, ~3/4 of the work) are items taken one by one from a
+  // shared counter (units differ: strongly decaying heads cost up to twice as much, and with
+  // about as many units as threads a static split leaves most threads waiting for the slowest
+  // head), and each unit's state steps follow its items in chunk order, in the same parallel
+  // region (data flow, below). A wave has 4 to 8 chunks per thread; their results (~160 KB
+  // each at K = V = 128) live in `store` until their state steps.
   const int64_t group = std::min(units, 4 * threads);
   const int64_t wave = (4 * threads + group - 1) / std::max<int64_t>(1, group);
   Carver item_sizer(nullptr);
@@ -201,49 +225,94 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
         }
       }
     });
-    std::vector<int64_t> item_u, item_k;  // the wave's chunks: unit, chunk index
+    // The wave's chunks, unit u0 + uu's chunk k at item item_at[uu * wave + k - k0]; items in
+    // chunk-major order (every unit's first chunk of the wave, then every second one, ...), so
+    // that every unit's state steps can start early.
+    std::vector<int64_t> item_u, item_k, item_at(group * wave);
+    // The state step of wave item i (its chunk_intra done): checkpoint, outputs, next state.
+    auto state_step = [&](int64_t i) {
+      const int64_t u = item_u[i], n = u / HV, hv = u % HV, k = item_k[i];
+      const int64_t origin = seqs.origin[n], t0 = cs[n][k];
+      T* S = A.ht + u * KV;
+      if (A.ckpt && (t0 - origin) % C == 0) {
+        const int64_t slot = seqs.slot_base[n] + (t0 - origin) / C;
+        std::memcpy(A.ckpt + (slot * HV + hv) * KV, S, sizeof(T) * KV);
+      }
+      chunk::ChunkWork<T> w = workspace(i);
+      const chunk::ChunkIn<T> ci = chunk_in(n, hv, k, nullptr, nullptr);
+      const int64_t vsh = A.seqs.vo_row_shift(n);
+      chunk::state_step(ci, w, S, A.o + ((t0 - vsh) * HV + hv) * V, HV * V);
+    };
     for (int64_t u0 = 0; u0 < units; u0 += group) {
-      const int64_t u1 = std::min(units, u0 + group);
+      const int64_t u1 = std::min(units, u0 + group), nu = u1 - u0;
       int64_t most = 0;
       for (int64_t u = u0; u < u1; ++u) most = std::max<int64_t>(most, cs[u / HV].size());
       for (int64_t k0 = 0; k0 < most; k0 += wave) {
         item_u.clear();
         item_k.clear();
-        for (int64_t u = u0; u < u1; ++u) {
-          const int64_t nk = cs[u / HV].size();
-          for (int64_t k = k0; k < std::min(nk, k0 + wave); ++k) {
+        std::unique_ptr<UnitFlow[]> flow(new UnitFlow[nu]);
+        for (int64_t k = k0; k < std::min(most, k0 + wave); ++k) {
+          for (int64_t u = u0; u < u1; ++u) {
+            if (k >= int64_t(cs[u / HV].size())) continue;
+            item_at[(u - u0) * wave + k - k0] = item_u.size();
             item_u.push_back(u);
             item_k.push_back(k);
+            flow[u - u0].end = k + 1;
           }
         }
+        for (int64_t uu = 0; uu < nu; ++uu) flow[uu].next = k0;
         const int64_t items = item_u.size();
-        std::atomic<int64_t> next{0};
-        at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+        std::unique_ptr<std::atomic<int>[]> done(new std::atomic<int>[items]);
+        for (int64_t i = 0; i < items; ++i) done[i].store(0, std::memory_order_relaxed);
+        std::atomic<int64_t> next{0}, steps_left{items};
+        // Unit uu's next state step, if its chunk's item is done and no other thread is running
+        // the unit (the flag hands the unit's state over between threads).
+        auto try_step = [&](int64_t uu) {
+          UnitFlow& f = flow[uu];
+          if (f.busy.load(std::memory_order_relaxed) ||
+              f.busy.exchange(1, std::memory_order_acquire)) {
+            return false;
+          }
+          const int64_t k = f.next;
+          const bool ready =
+              k < f.end && done[item_at[uu * wave + k - k0]].load(std::memory_order_acquire);
+          if (ready) {
+            state_step(item_at[uu * wave + k - k0]);
+            f.next = k + 1;
+            steps_left.fetch_sub(1, std::memory_order_relaxed);
+          }
+          f.busy.store(0, std::memory_order_release);
+          return ready;
+        };
+        // One task per thread, as data flow instead of two phases with a barrier between them:
+        // a task steps the units it is home to (every threads-th from its index: their states
+        // stay in its core's cache) as far as their items are done, else takes the next item,
+        // and once no item is left steps any unit that is ready. A task never waits on work
+        // that has not started, so a serial run (one thread, or a call nested in another
+        // parallel region) completes too. Every item and step computes the same bits on any
+        // thread, so the results do not depend on the schedule.
+        at::parallel_for(0, threads, 1, [&](int64_t home, int64_t) {
           chunk::FlushDenormals ftz;
           const ChunkRows<T> rows = thread_rows();
-          for (int64_t i = next++; i < items; i = next++) {
-            chunk::ChunkWork<T> w = workspace(i);
-            chunk::chunk_intra(chunk_in(item_u[i] / HV, item_u[i] % HV, item_k[i], &rows, &bad),
-                               w);
-          }
-          chunk::gemm_release(products);
-        });
-        // Each unit's items are consecutive, in chunk order.
-        at::parallel_for(u0, u1, 1, [&](int64_t ub, int64_t ue) {
-          chunk::FlushDenormals ftz;
-          int64_t i = std::lower_bound(item_u.begin(), item_u.end(), ub) - item_u.begin();
-          for (; i < items && item_u[i] < ue; ++i) {
-            const int64_t u = item_u[i], n = u / HV, hv = u % HV, k = item_k[i];
-            const int64_t origin = seqs.origin[n], t0 = cs[n][k];
-            T* S = A.ht + u * KV;
-            if (A.ckpt && (t0 - origin) % C == 0) {
-              const int64_t slot = seqs.slot_base[n] + (t0 - origin) / C;
-              std::memcpy(A.ckpt + (slot * HV + hv) * KV, S, sizeof(T) * KV);
+          int rounds = 0;
+          while (steps_left.load(std::memory_order_acquire) > 0) {
+            bool stepped = false;
+            for (int64_t uu = home; uu < nu; uu += threads) {
+              while (try_step(uu)) stepped = true;
             }
-            chunk::ChunkWork<T> w = workspace(i);
-            const chunk::ChunkIn<T> ci = chunk_in(n, hv, k, nullptr, nullptr);
-            const int64_t vsh = A.seqs.vo_row_shift(n);
-            chunk::state_step(ci, w, S, A.o + ((t0 - vsh) * HV + hv) * V, HV * V);
+            if (stepped) continue;
+            const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+            if (i < items) {
+              chunk::ChunkWork<T> w = workspace(i);
+              chunk::chunk_intra(
+                  chunk_in(item_u[i] / HV, item_u[i] % HV, item_k[i], &rows, &bad), w);
+              done[i].store(1, std::memory_order_release);
+              continue;
+            }
+            for (int64_t uu = 0; uu < nu; ++uu) {
+              while (try_step(uu)) stepped = true;
+            }
+            if (!stepped) spin_wait(rounds);
           }
           chunk::gemm_release(products);
         });

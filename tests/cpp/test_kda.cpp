@@ -308,6 +308,33 @@ TEST_P(Forms, BitwiseIdenticalForOneAndTwoThreads) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "tensor " << i;
 }
 
+// Inside another parallel region at::parallel_for runs its tasks one after the other on the
+// calling thread: the chunk forward's tasks (one per thread, handing work to each other) must
+// still finish, with the bits of a top-level call.
+TEST_P(Forms, NestedInAParallelRegionMatchesTopLevel) {
+  Problem p;
+  p.B = 2;
+  p.T = 600;
+  p.dtype = at::kFloat;
+  const Data d = make_data(p, 10);
+  const auto o = full_options(d);
+  const int before = at::get_num_threads();
+  at::set_num_threads(4);
+  auto [ref, ref_st] = kda_op(d.q, d.k, d.v, d.g, d.beta, o);
+  std::vector<Tensor> outs(2), states(2);
+  at::parallel_for(0, 2, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      at::NoGradGuard no_grad;
+      std::tie(outs[i], states[i]) = kda_op(d.q, d.k, d.v, d.g, d.beta, o);
+    }
+  });
+  at::set_num_threads(before);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_TRUE(at::equal(outs[i], ref)) << "call " << i;
+    EXPECT_TRUE(at::equal(states[i], ref_st)) << "call " << i;
+  }
+}
+
 TEST_P(Forms, NonContiguousInputsAreNotModified) {
   Problem p;
   const Data d = make_data(p, 9);

@@ -212,11 +212,15 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
     };
     FirstBad bad;
     // The running state lives in ht (between token blocks too); a block that starts a sequence
-    // starts it from h0 (an empty sequence: in block 0).
-    at::parallel_for(0, units, 1, [&](int64_t ub, int64_t ue) {
+    // starts it from h0 (an empty sequence: in block 0). Most blocks start none (B1: all but
+    // the first) and skip the parallel region.
+    auto starts = [&](int64_t n) { return rs[n] == seqs.start[n] && (j == 0 || rs[n] != re[n]); };
+    bool any_starts = false;
+    for (int64_t n = 0; n < d.N && !any_starts; ++n) any_starts = starts(n);
+    if (any_starts) at::parallel_for(0, units, 1, [&](int64_t ub, int64_t ue) {
       for (int64_t u = ub; u < ue; ++u) {
         const int64_t n = u / HV;
-        if (rs[n] != seqs.start[n] || (j > 0 && rs[n] == re[n])) continue;
+        if (!starts(n)) continue;
         T* S = A.ht + u * KV;
         if (s0) {
           std::memcpy(S, s0 + u * KV, sizeof(T) * KV);

@@ -18,7 +18,6 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <type_traits>
 
 namespace kda {
@@ -38,27 +37,6 @@ struct ChunkRows {
         beta(c.take<T>(chunk::kC)),
         v(c.take<T>(chunk::kC * V)) {}
 };
-
-// A unit's state steps in a wave (run_chunks): the next chunk to step and the last one + 1,
-// and whether a thread is running it (the flag's release / acquire hands the state over).
-struct UnitFlow {
-  std::atomic<int> busy{0};
-  int64_t next = 0, end = 0;
-};
-
-// One round of waiting in a spin loop: a pause instruction (which lets the core's other
-// hyperthread run), and after 64 rounds a yield, so that with more threads than cores a waiting
-// thread gives its core to the one it waits for.
-inline void spin_wait(int& rounds) {
-#if defined(__x86_64__) || defined(__i386__)
-  if (++rounds < 64) {
-    __builtin_ia32_pause();
-    return;
-  }
-#endif
-  rounds = 0;
-  std::this_thread::yield();
-}
 
 template <typename U>
 U* at_offset(U* p, int64_t off) {
@@ -232,7 +210,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
     // The wave's chunks, unit u0 + uu's chunk k at item item_at[uu * wave + k - k0]; items in
     // chunk-major order (every unit's first chunk of the wave, then every second one, ...), so
     // that every unit's state steps can start early.
-    std::vector<int64_t> item_u, item_k, item_at(group * wave);
+    std::vector<int64_t> item_u, item_k, item_at(group * wave), unit_end;
     // The state step of wave item i (its chunk_intra done): checkpoint, outputs, next state.
     auto state_step = [&](int64_t i) {
       const int64_t u = item_u[i], n = u / HV, hv = u % HV, k = item_k[i];
@@ -254,69 +232,49 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
       for (int64_t k0 = 0; k0 < most; k0 += wave) {
         item_u.clear();
         item_k.clear();
-        std::unique_ptr<UnitFlow[]> flow(new UnitFlow[nu]);
+        unit_end.assign(nu, k0);
         for (int64_t k = k0; k < std::min(most, k0 + wave); ++k) {
           for (int64_t u = u0; u < u1; ++u) {
             if (k >= int64_t(cs[u / HV].size())) continue;
             item_at[(u - u0) * wave + k - k0] = item_u.size();
             item_u.push_back(u);
             item_k.push_back(k);
-            flow[u - u0].end = k + 1;
+            unit_end[u - u0] = k + 1;
           }
         }
-        for (int64_t uu = 0; uu < nu; ++uu) flow[uu].next = k0;
         const int64_t items = item_u.size();
-        std::unique_ptr<std::atomic<int>[]> done(new std::atomic<int>[items]);
-        for (int64_t i = 0; i < items; ++i) done[i].store(0, std::memory_order_relaxed);
-        std::atomic<int64_t> next{0}, steps_left{items};
-        // Unit uu's next state step, if its chunk's item is done and no other thread is running
-        // the unit (the flag hands the unit's state over between threads).
-        auto try_step = [&](int64_t uu) {
-          UnitFlow& f = flow[uu];
-          if (f.busy.load(std::memory_order_relaxed) ||
-              f.busy.exchange(1, std::memory_order_acquire)) {
-            return false;
+        // Item i's state step needs two things done: its chunk_intra and the unit's previous
+        // state step (done before the wave for the unit's first chunk in it). Each one counts
+        // itself in arrivals[i], and the thread that counts second runs the step, then the
+        // unit's next one if that has its item done too. Every step runs exactly once and no
+        // thread ever waits for another: a thread leaves when no item is left, and a serial run
+        // (one thread, or a call nested in another parallel region) completes too. The
+        // counter's acquire / release hands the item's results and the unit's state over
+        // between threads.
+        std::unique_ptr<std::atomic<int>[]> arrivals(new std::atomic<int>[items]);
+        for (int64_t i = 0; i < items; ++i) {
+          arrivals[i].store(item_k[i] == k0 ? 1 : 0, std::memory_order_relaxed);
+        }
+        auto arrive = [&](int64_t i) {
+          while (i >= 0 && arrivals[i].fetch_add(1, std::memory_order_acq_rel) == 1) {
+            state_step(i);
+            const int64_t uu = item_u[i] - u0, k = item_k[i] + 1;
+            i = k < unit_end[uu] ? item_at[uu * wave + k - k0] : -1;
           }
-          const int64_t k = f.next;
-          const bool ready =
-              k < f.end && done[item_at[uu * wave + k - k0]].load(std::memory_order_acquire);
-          if (ready) {
-            state_step(item_at[uu * wave + k - k0]);
-            f.next = k + 1;
-            steps_left.fetch_sub(1, std::memory_order_relaxed);
-          }
-          f.busy.store(0, std::memory_order_release);
-          return ready;
         };
         // One task per thread, as data flow instead of two phases with a barrier between them:
-        // a task steps the units it is home to (every threads-th from its index: their states
-        // stay in its core's cache) as far as their items are done, else takes the next item,
-        // and once no item is left steps any unit that is ready. A task never waits on work
-        // that has not started, so a serial run (one thread, or a call nested in another
-        // parallel region) completes too. Every item and step computes the same bits on any
-        // thread, so the results do not depend on the schedule.
-        at::parallel_for(0, threads, 1, [&](int64_t home, int64_t) {
+        // items are taken from a shared counter, and state steps run as their inputs complete.
+        // Every item and step computes the same bits on any thread, so the results do not
+        // depend on the schedule.
+        std::atomic<int64_t> next{0};
+        at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
           chunk::FlushDenormals ftz;
           const ChunkRows<T> rows = thread_rows();
-          int rounds = 0;
-          while (steps_left.load(std::memory_order_acquire) > 0) {
-            bool stepped = false;
-            for (int64_t uu = home; uu < nu; uu += threads) {
-              while (try_step(uu)) stepped = true;
-            }
-            if (stepped) continue;
-            const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
-            if (i < items) {
-              chunk::ChunkWork<T> w = workspace(i);
-              chunk::chunk_intra(
-                  chunk_in(item_u[i] / HV, item_u[i] % HV, item_k[i], &rows, &bad), w);
-              done[i].store(1, std::memory_order_release);
-              continue;
-            }
-            for (int64_t uu = 0; uu < nu; ++uu) {
-              while (try_step(uu)) stepped = true;
-            }
-            if (!stepped) spin_wait(rounds);
+          for (int64_t i = next++; i < items; i = next++) {
+            chunk::ChunkWork<T> w = workspace(i);
+            chunk::chunk_intra(chunk_in(item_u[i] / HV, item_u[i] % HV, item_k[i], &rows, &bad),
+                               w);
+            arrive(i);
           }
           chunk::gemm_release(products);
         });

@@ -158,6 +158,23 @@ def test_nan_in_one_sequence_stays_in_that_sequence():
     assert rel_err(s[[0, 2]], s_ref[[0, 2]]) < 1e-5
 
 
+@pytest.mark.parametrize("form, backend, first_nan", [
+    ("chunk", "native", 64), ("chunk", "reference", 64), ("recurrent", "native", 70)])
+def test_nan_reaches_back_to_its_chunk_start_in_the_chunk_form_only(form, backend, first_nan):
+    # docs/bad_inputs.md, "Values outside the domain": a NaN in k at token 70 reaches the outputs
+    # from 70 on in the recurrent form, from its 64-token chunk's start (64) in the chunk form;
+    # the outputs before that are those of the clean inputs.
+    p = make_problem(B=1, T=160, H=2, seed=7, dtype=torch.float32)
+    fn = torch_kda.chunk_kda if form == "chunk" else torch_kda.fused_recurrent_kda
+    k = p.k.clone()
+    k[0, 70, 1, 3] = float("nan")
+    clean, _ = fn(*p.args, **p.kwargs, backend=backend)
+    o, _ = fn(p.q, k, *p.args[2:], **p.kwargs, backend=backend)
+    nan_tokens = torch.isnan(o[0]).flatten(1).any(-1).nonzero().flatten()
+    assert nan_tokens.min().item() == first_nan
+    assert torch.equal(o[:, :first_nan], clean[:, :first_nan])
+
+
 def test_env_var_forces_reference_backend():
     code = ("import torch, torch_kda, torch_kda.api as api;"
             "x = torch.randn(1, 2, 1, 2); "

@@ -151,7 +151,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, BlockKernel::kChunk,
                      [&](const kernels::FwdArgs<T>& A, const BlockPrep<T>& bp,
                          const std::vector<int64_t>& rs, const std::vector<int64_t>& re,
-                         int64_t j) {
+                         int64_t j, int64_t) {
     // The chunks of sequence n in this block start at cs[n][k] (the last one ends at re[n]);
     // they start at origin + c * kChunk (a sequence starting inside a chunk has a shorter first
     // one), so the checkpoints are those of the recurrent forward.
@@ -212,7 +212,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
     // that every unit's state steps can start early.
     std::vector<int64_t> item_u, item_k, item_at(group * wave), unit_end;
     // The state step of wave item i (its chunk_intra done): checkpoint, outputs, next state.
-    auto state_step = [&](int64_t i) {
+    auto step_item = [&](int64_t i) {
       const int64_t u = item_u[i], n = u / HV, hv = u % HV, k = item_k[i];
       const int64_t origin = seqs.origin[n], t0 = cs[n][k];
       T* S = A.ht + u * KV;
@@ -257,7 +257,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
         }
         auto arrive = [&](int64_t i) {
           while (i >= 0 && arrivals[i].fetch_add(1, std::memory_order_acq_rel) == 1) {
-            state_step(i);
+            step_item(i);
             const int64_t uu = item_u[i] - u0, k = item_k[i] + 1;
             i = k < unit_end[uu] ? item_at[uu * wave + k - k0] : -1;
           }

@@ -202,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_forward(const Inputs& in, con
 // The forward in token blocks (csrc/cpu/recurrent_fwd.cpp): block j of every sequence
 // (tokens [rs[n], re[n])) is converted and pre-processed into a small reused workspace (no
 // full-size pre-processed arrays; BlockKernel::kChunk pre-processes its own rows instead), then
-// run_block(A, prep, rs, re, j) runs the block: A points at the
+// run_block(A, prep, rs, re, j, n_blocks) runs block j of n_blocks: A points at the
 // block's pre-processed rows (sequence n's token t at row t - A.seqs.shift[n]; v and o at
 // t - A.seqs.vo_shift[n] when those are non-null), A.ht holds each sequence's running state
 // between blocks (a block with rs[n] == seqs.start[n] starts from h0 instead), and the block's
@@ -230,7 +230,8 @@ struct BlockPrep {
 template <typename T>
 using BlockRunner =
     std::function<void(const kernels::FwdArgs<T>& A, const BlockPrep<T>& prep,
-                       const std::vector<int64_t>& rs, const std::vector<int64_t>& re, int64_t j)>;
+                       const std::vector<int64_t>& rs, const std::vector<int64_t>& re, int64_t j,
+                       int64_t n_blocks)>;
 template <typename T>
 void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
                      const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,

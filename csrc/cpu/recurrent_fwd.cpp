@@ -384,7 +384,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
       prep_block<T>(P, rows, conv_in, bad);
       report_domain(bad, in, cfg, d);
     }
-    run_block(A, own, rs, re, j);
+    run_block(A, own, rs, re, j, plan.n_blocks);
     if (conv_vo) {
       const at::Tensor o2 = o.view({BT, d.HV * d.V});
       for (int64_t n = 0; n < d.N; ++n) {
@@ -433,19 +433,19 @@ void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Seq
   const auto opts = in.q.options().dtype(compute_dtype(in.q));
   const at::Tensor thread_ws = at::empty({threads * ws_stride}, opts);
   T* const ws0 = thread_ws.data_ptr<T>();
-  // The running states between token blocks, in the kernels' layout (FwdArgs::slices); a call
-  // in one block keeps them in the threads' scratch instead.
-  const bool several_blocks =
-      plan_blocks(d, seqs, sizeof(T), BlockKernel::kRecurrent).n_blocks > 1;
-  const at::Tensor states =
-      several_blocks ? empty_output({kernels::fwd_slices_elems(d.N, d.HV, d.K, d.V)}, opts)
-                     : at::Tensor();
+  // The running states between token blocks, in the kernels' layout (FwdArgs::slices), made at
+  // the first block of a call in several; a call in one block keeps them in the threads'
+  // scratch instead.
+  at::Tensor states;
   run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, BlockKernel::kRecurrent,
                      [&](const kernels::FwdArgs<T>& block_args, const BlockPrep<T>&,
                          const std::vector<int64_t>& rs, const std::vector<int64_t>& re,
-                         int64_t j) {
+                         int64_t j, int64_t n_blocks) {
+    if (j == 0 && n_blocks > 1) {
+      states = empty_output({kernels::fwd_slices_elems(d.N, d.HV, d.K, d.V)}, opts);
+    }
     kernels::FwdArgs<T> A = block_args;
-    A.slices = several_blocks ? states.data_ptr<T>() : nullptr;
+    A.slices = states.defined() ? states.data_ptr<T>() : nullptr;
     // An empty sequence still runs once (in block 0), so its final state is its initial state.
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {

@@ -954,13 +954,18 @@ bool check_serving(KDA_SERVING_ARGS, bool probe, Inputs& in, Config& cfg, Dims& 
                       ") (num_slots = initial_state.shape[0]) or pad_slot_id = ", pad_slot_id);
     return kBad;
   };
-  std::unordered_map<int64_t, int64_t> writer;
-  auto claim = [&](int64_t s, int64_t n) -> bool {
+  // The writer of each slot: its sequence and token (column of 2-D indices; 0 for 1-D ones).
+  std::unordered_map<int64_t, std::pair<int64_t, int64_t>> writer;
+  auto claim = [&](int64_t s, int64_t n, int64_t t) -> bool {
     if (s < 0) return true;
-    const auto it = writer.emplace(s, n).first;
-    KDA_RULE(VALUE, it->second == n, kSrv, "two sequences write slot ", s,
-             " in one call (sequences ", it->second, " and ", n,
-             "); each slot may be written by one sequence only");
+    const auto [n0, t0] = writer.emplace(s, std::make_pair(n, t)).first->second;
+    KDA_RULE(VALUE, n0 == n, kSrv, "two sequences write slot ", s, " in one call (sequences ",
+             n0, " and ", n, "); each slot may be written by one sequence only");
+    // Two snapshots of one row in one slot: the later one would silently replace the state that
+    // num_accepted_tokens may name on the next call.
+    KDA_RULE(VALUE, t0 == t, kSrv, "sequence ", n, " writes slot ", s,
+             " twice (at ssm_state_indices[", n, ", ", t0, "] and [", n, ", ", t,
+             "]); each token's snapshot needs its own slot");
     return true;
   };
   if (idx->dim() == 1) {
@@ -971,7 +976,7 @@ bool check_serving(KDA_SERVING_ARGS, bool probe, Inputs& in, Config& cfg, Dims& 
       plan.src_row[n] = s;
       if (inplace_final_state) {
         plan.dst_row[n] = s;
-        if (!claim(s, n)) return false;
+        if (!claim(s, n, 0)) return false;
       } else if (fresh) {
         plan.dst_row[n] = n;
       }
@@ -1000,7 +1005,7 @@ bool check_serving(KDA_SERVING_ARGS, bool probe, Inputs& in, Config& cfg, Dims& 
       if (plan.pad[n]) continue;
       for (int64_t t = 0; t < Tn; ++t) {
         plan.snap[n * cols + t] = row[t];
-        if (!claim(row[t], n)) return false;
+        if (!claim(row[t], n, t)) return false;
       }
     }
   }
@@ -1008,8 +1013,8 @@ bool check_serving(KDA_SERVING_ARGS, bool probe, Inputs& in, Config& cfg, Dims& 
     const int64_t s = plan.src_row[n];
     if (s < 0) continue;
     const auto it = writer.find(s);
-    KDA_RULE(VALUE, it == writer.end() || it->second == n, kSrv, "slot ", s,
-             " is read by sequence ", n, " and written by sequence ", it->second,
+    KDA_RULE(VALUE, it == writer.end() || it->second.first == n, kSrv, "slot ", s,
+             " is read by sequence ", n, " and written by sequence ", it->second.first,
              " in the same call; give each sequence its own slots");
   }
   return true;

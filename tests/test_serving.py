@@ -354,6 +354,9 @@ def _bad_calls():
         ("read slot written by another", spec, dict(ssm_state_indices=torch.tensor([[0, 1], [1, 3]]),
                                                    num_accepted_tokens=torch.tensor([1, 1])),
          ValueError, "slot 1"),
+        ("one row writes a slot twice", spec, dict(ssm_state_indices=torch.tensor([[0, 1], [2, 2]]),
+                                                   num_accepted_tokens=torch.tensor([1, 1])),
+         ValueError, r"sequence 1 writes slot 2 twice \(at ssm_state_indices\[1, 0\] and \[1, 1\]\)"),
         ("T_n > T_max", spec, dict(ssm_state_indices=torch.tensor([[0], [2]])), ValueError, "T_max"),
         ("pad_slot_id not an int", p, dict(ssm_state_indices=torch.tensor([0, 1]), pad_slot_id=-1.0),
          TypeError, "pad_slot_id must be an int, got float"),
@@ -411,6 +414,14 @@ def test_cpp_op_rejects_duplicate_slots_before_writing():
     with torch.no_grad(), pytest.raises(ValueError, match="out of range"):
         torch.ops.kda.fused_recurrent_serving(p.q, p.k, p.v, p.g, p.beta, 0.25, pool,
                                               torch.tensor([1, 4]), None, out, None, -1, True)
+    # two snapshots of one speculative row in one slot
+    spec = make_problem(B=2, T=2, H=2, HV=4, K=16, V=24, seed=1, initial_state=False,
+                        output_final_state=False).to(torch.float32)
+    out2 = torch.empty(2, 2, 4, 24)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"sequence 0 writes slot 1 twice"):
+        torch.ops.kda.fused_recurrent_serving(spec.q, spec.k, spec.v, spec.g, spec.beta, 0.25, pool,
+                                              torch.tensor([[1, 1], [2, 3]]), torch.tensor([1, 1]),
+                                              out2, None, -1, True)
     assert torch.equal(pool, before)
 
 

@@ -622,11 +622,17 @@ def check_serving_inputs(
         def claim(s: Optional[int], n: int, where: str) -> None:
             if s is None:
                 return
-            other = writes.setdefault(s, n)
+            other, other_where = writes.setdefault(s, (n, where))
             if other != n:
                 raise ValueError(f"two sequences write slot {s} in one call (sequences {other} and "
                                  f"{n}, at ssm_state_indices{where}); each slot may be written by "
                                  "one sequence only")
+            if other_where != where:
+                # Two snapshots of one row in one slot: the later one would silently replace the
+                # state that num_accepted_tokens may name on the next call.
+                raise ValueError(f"sequence {n} writes slot {s} twice (at ssm_state_indices"
+                                 f"{other_where} and {where}); each token's snapshot needs its "
+                                 "own slot")
 
         if idx.dim() == 1:
             for n in range(N):
@@ -658,9 +664,9 @@ def check_serving_inputs(
                     claim(s, n, f"[{n}, {t}]")
         for n in range(N):
             s = read_slots[n]
-            if s is not None and writes.get(s, n) != n:
+            if s is not None and writes.get(s, (n,))[0] != n:
                 raise ValueError(f"slot {s} is read by sequence {n} and written by sequence "
-                                 f"{writes[s]} in the same call; give each sequence its own slots")
+                                 f"{writes[s][0]} in the same call; give each sequence its own slots")
         ssm_state_indices = _as_int64(idx)
     elif inplace_final_state:
         final_slots = list(range(N))  # initial_state [N, ...] updated in place, row n <- sequence n

@@ -151,7 +151,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, BlockKernel::kChunk,
                      [&](const kernels::FwdArgs<T>& A, const BlockPrep<T>& bp,
                          const std::vector<int64_t>& rs, const std::vector<int64_t>& re,
-                         int64_t j, int64_t) {
+                         int64_t j, int64_t, const SideWork&) {
     // The chunks of sequence n in this block start at cs[n][k] (the last one ends at re[n]);
     // they start at origin + c * kChunk (a sequence starting inside a chunk has a shorter first
     // one), so the checkpoints are those of the recurrent forward.

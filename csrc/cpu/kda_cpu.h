@@ -131,24 +131,32 @@ struct BlockRows {
 // Copies the block's rows of every sequence from src [B*T, ...] (any dtype) into dst [rows, ...]
 // (copy_: a conversion into the block buffer's dtype).
 void copy_block_rows(const at::Tensor& dst, const at::Tensor& src, const BlockRows& rows);
-// Runs f(n, b, e) over the used rows of a block in parallel, for every run of rows [b, e) of one
-// sequence n; a few rows per task, so that every thread gets some of a short block.
+// Runs f(n, b', e') over the rows [b, e) of a block (which may span sequences), for every run
+// of rows [b', e') of one sequence n.
+template <typename F>
+void for_block_rows(const BlockRows& rows, int64_t b, int64_t e, const F& f) {
+  const int64_t N = static_cast<int64_t>(rows.rs.size());
+  int64_t n = static_cast<int64_t>(std::upper_bound(rows.loc.begin(), rows.loc.begin() + N, b) -
+                                   rows.loc.begin()) - 1;
+  while (b < e) {
+    while (rows.loc[n + 1] <= b) ++n;
+    const int64_t stop = std::min(e, rows.loc[n + 1]);
+    f(n, b, stop);
+    b = stop;
+  }
+}
+// The rows per task of parallel_block_rows: a few, so that every thread gets some of a short
+// block.
+inline int64_t block_rows_grain(const BlockRows& rows) {
+  const int64_t used = rows.loc.back();
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  return std::max<int64_t>(1, std::min<int64_t>(16, used / (4 * threads)));
+}
+// for_block_rows over all the used rows of a block, in parallel.
 template <typename F>
 void parallel_block_rows(const BlockRows& rows, const F& f) {
-  const int64_t N = static_cast<int64_t>(rows.rs.size());
-  const int64_t used = rows.loc[N];
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, used / (4 * threads)));
-  at::parallel_for(0, used, grain, [&](int64_t b, int64_t e) {
-    int64_t n = static_cast<int64_t>(std::upper_bound(rows.loc.begin(), rows.loc.begin() + N, b) -
-                                     rows.loc.begin()) - 1;
-    while (b < e) {
-      while (rows.loc[n + 1] <= b) ++n;
-      const int64_t stop = std::min(e, rows.loc[n + 1]);
-      f(n, b, stop);
-      b = stop;
-    }
-  });
+  at::parallel_for(0, rows.loc.back(), block_rows_grain(rows),
+                   [&](int64_t b, int64_t e) { for_block_rows(rows, b, e, f); });
 }
 // Pre-processes the rows of a token block (kernels' prep_tokens, in parallel over rows) into P's
 // outputs at the rows' local index; the inputs are read at the local index too with
@@ -156,6 +164,10 @@ void parallel_block_rows(const BlockRows& rows, const F& f) {
 template <typename T>
 void prep_block(const kernels::PrepArgs<T>& P, const BlockRows& rows, bool shifted_inputs,
                 FirstBad& bad);
+// prep_block's work on the block's rows [b, e) alone, on the calling thread.
+template <typename T>
+void prep_rows(const kernels::PrepArgs<T>& P, const BlockRows& rows, bool shifted_inputs,
+               int64_t b, int64_t e, FirstBad& bad);
 // The pre-processing kernel (prep_tokens) of compute type T for this CPU (kernels::table()).
 template <typename T>
 auto prep_kernel() {
@@ -202,7 +214,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_forward(const Inputs& in, con
 // The forward in token blocks (csrc/cpu/recurrent_fwd.cpp): block j of every sequence
 // (tokens [rs[n], re[n])) is converted and pre-processed into a small reused workspace (no
 // full-size pre-processed arrays; BlockKernel::kChunk pre-processes its own rows instead), then
-// run_block(A, prep, rs, re, j, n_blocks) runs block j of n_blocks: A points at the
+// run_block(A, prep, rs, re, j, n_blocks, side) runs block j of n_blocks (and side, the
+// pre-processing of block j + 1 into a second workspace, beside it): A points at the
 // block's pre-processed rows (sequence n's token t at row t - A.seqs.shift[n]; v and o at
 // t - A.seqs.vo_shift[n] when those are non-null), A.ht holds each sequence's running state
 // between blocks (a block with rs[n] == seqs.start[n] starts from h0 instead), and the block's
@@ -227,11 +240,18 @@ struct BlockPrep {
   kernels::PrepArgs<T> P;
   bool shifted_inputs = false;
 };
+// Work the runner of block j runs in its parallel region beside the block's units, in any
+// order and on any thread: the pre-processing of block j + 1 (BlockKernel::kRecurrent), tasks
+// 0 .. tasks - 1 through run(i). None for the last block and for the chunk kernel.
+struct SideWork {
+  int64_t tasks = 0;
+  std::function<void(int64_t)> run;
+};
 template <typename T>
 using BlockRunner =
     std::function<void(const kernels::FwdArgs<T>& A, const BlockPrep<T>& prep,
                        const std::vector<int64_t>& rs, const std::vector<int64_t>& re, int64_t j,
-                       int64_t n_blocks)>;
+                       int64_t n_blocks, const SideWork& side)>;
 template <typename T>
 void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const Sequences& seqs,
                      const at::Tensor& h0, const at::Tensor& o, const at::Tensor& ht,

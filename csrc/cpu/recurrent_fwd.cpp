@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -112,20 +113,30 @@ template kernels::PrepArgs<double> block_prep_args<double>(const Config&, const 
                                                            const GateParams&);
 
 template <typename T>
-void prep_block(const kernels::PrepArgs<T>& P, const BlockRows& rows, bool shifted_inputs,
-                FirstBad& bad) {
+void prep_rows(const kernels::PrepArgs<T>& P, const BlockRows& rows, bool shifted_inputs,
+               int64_t b, int64_t e, FirstBad& bad) {
   const auto prep = prep_kernel<T>();
-  parallel_block_rows(rows, [&](int64_t n, int64_t b, int64_t stop) {
+  for_block_rows(rows, b, e, [&](int64_t n, int64_t rb, int64_t stop) {
     kernels::PrepArgs<T> Pn = P;
     Pn.out_shift = rows.shift[n];
     Pn.in_shift = shifted_inputs ? rows.shift[n] : 0;
-    bad.add(prep(Pn, rows.rs[n] + (b - rows.loc[n]), rows.rs[n] + (stop - rows.loc[n])));
+    bad.add(prep(Pn, rows.rs[n] + (rb - rows.loc[n]), rows.rs[n] + (stop - rows.loc[n])));
   });
 }
-template void prep_block<float>(const kernels::PrepArgs<float>&, const BlockRows&, bool,
-                                FirstBad&);
-template void prep_block<double>(const kernels::PrepArgs<double>&, const BlockRows&, bool,
-                                 FirstBad&);
+template <typename T>
+void prep_block(const kernels::PrepArgs<T>& P, const BlockRows& rows, bool shifted_inputs,
+                FirstBad& bad) {
+  at::parallel_for(0, rows.loc.back(), block_rows_grain(rows), [&](int64_t b, int64_t e) {
+    prep_rows(P, rows, shifted_inputs, b, e, bad);
+  });
+}
+#define KDA_PREP_INSTANTIATE(T)                                                               \
+  template void prep_rows<T>(const kernels::PrepArgs<T>&, const BlockRows&, bool, int64_t,   \
+                             int64_t, FirstBad&);                                            \
+  template void prep_block<T>(const kernels::PrepArgs<T>&, const BlockRows&, bool, FirstBad&);
+KDA_PREP_INSTANTIATE(float)
+KDA_PREP_INSTANTIATE(double)
+#undef KDA_PREP_INSTANTIATE
 
 std::optional<kernels::Storage> storage_of(at::ScalarType st, at::ScalarType ct) {
   if (st == ct) return kernels::Storage::kCompute;
@@ -290,7 +301,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   const at::Tensor b_in = in.beta.reshape({BT, d.HV});
   at::Tensor v_in = in.v.reshape({BT, d.HV * d.V});
   at::Tensor q_c, k_c, g_c, b_c, v_c;  // compute-dtype inputs read by the kernels
-  at::Tensor q_w, k_w, g_w, b_w, v_w, o_w;  // block buffers of the conversions
+  at::Tensor q_w, k_w, g_w, b_w, o_w;  // block buffers of the conversions (v's: Workspace::v)
   if (conv_in) {
     q_w = empty_output({nb, d.H * d.K}, opts);
     k_w = empty_output({nb, d.H * d.K}, opts);
@@ -305,91 +316,130 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   // The chunk kernel pre-processes (and widens) its own rows: no block arrays of them.
   const bool own_rows = kernel == BlockKernel::kChunk;
   if (conv_vo) {
-    if (!(own_rows && widen_v)) v_w = empty_output({nb, d.HV * d.V}, opts);
     o_w = empty_output({nb, d.HV * d.V}, opts);
-    v_c = v_w;
   } else {
     v_c = v_in.contiguous();
   }
   const GateParams gate = gate_params(in, cfg, ct);
 
-  // The pre-processed block: [H, nb, K] q and k, [HV, nb, K] decay and decay*k, [HV, nb] beta.
-  // From the output cache too (1-2 MB each): glibc hands heap blocks of this size back to the
-  // system when it trims its heap, and then the next call faults them in again.
-  // a * khat only for the recurrent kernel (its fused read of the next token's state).
-  at::Tensor ws_q, ws_k, ws_a, ws_ak, ws_b;
-  if (!own_rows) {
-    ws_q = empty_output({d.H, nb, d.K}, opts);
-    ws_k = empty_output({d.H, nb, d.K}, opts);
-    ws_a = empty_output({d.HV, nb, d.K}, opts);
-    ws_ak = empty_output({d.HV, nb, d.K}, opts);
-    ws_b = empty_output({d.HV, nb}, opts);
-  }
+  // The recurrent kernels' blocks are pre-processed one ahead: block j + 1's pass runs in the
+  // parallel region of block j's units (SideWork), into the second of two workspaces, instead of
+  // in a parallel region of its own between them. The pass is bound by memory and the units by
+  // arithmetic: at 16 threads the pass ran at a fifth of its one-thread speed per thread, all
+  // threads at once between two barriers (docs/benchmarks.md, "Prefill without page faults").
+  // Only for inputs the pass reads as they are (the conversions' block buffers are single), and
+  // with more than one thread: one thread would pre-process block j + 1 between block j's pass
+  // and its units, and read block j's rows back from further out than its L2.
+  const bool ahead = !own_rows && !conv_in && plan.n_blocks > 1 && at::get_num_threads() > 1;
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; };
-
-  kernels::PrepArgs<T> P = block_prep_args<T>(cfg, d, nb, q_c, k_c, g_c, b_c, gate);
+  kernels::PrepArgs<T> P0 = block_prep_args<T>(cfg, d, nb, q_c, k_c, g_c, b_c, gate);
   if (widen_v) {
-    P.v_store = *v_st;
-    P.v16 = static_cast<const uint16_t*>(v_in.data_ptr());
-    P.v_out = ptr(v_w);
-    P.VW = d.HV * d.V;
+    P0.v_store = *v_st;
+    P0.v16 = static_cast<const uint16_t*>(v_in.data_ptr());
+    P0.VW = d.HV * d.V;
   }
   BlockPrep<T> own;
-  own.P = P;  // the chunk kernel's: inputs set, outputs its own
+  own.P = P0;  // the chunk kernel's: inputs set, outputs its own
   own.shifted_inputs = conv_in;
-  P.q_out = ptr(ws_q);
-  P.k_out = ptr(ws_k);
-  P.a_out = ptr(ws_a);
-  P.ak_out = ptr(ws_ak);
-  P.beta_out = ptr(ws_b);
 
-  // This block's token range [rs, re) of every sequence, its rows in the workspace, the shifts.
-  BlockRows rows(d.N);
-  std::vector<int64_t>&rs = rows.rs, &loc = rows.loc, &shift = rows.shift;
-  std::vector<int64_t> re(d.N), vo_shift(d.N, 0);
-  kernels::FwdArgs<T> A;
-  A.seqs = seq_info(seqs);
-  A.seqs.shift = shift.data();
-  A.seqs.vo_shift = conv_vo ? vo_shift.data() : nullptr;
-  point_at_block_rows(A, P, d);
-  A.v = ptr(v_c);
-  A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
-  A.o = conv_vo ? o_w.data_ptr<T>() : o.data_ptr<T>();
-  A.ht = ht.data_ptr<T>();
-  A.ckpt = ckpt.defined() && ckpt.numel() > 0 ? ckpt.data_ptr<T>() : nullptr;
-
-  for (int64_t j = 0; j < plan.n_blocks; ++j) {
-    // This block's token range of every sequence, and its rows in the workspace.
+  // A block's rows (its token range [rs, re) of every sequence, their rows in the workspace, the
+  // shifts), its pre-processed rows: [H, nb, K] q and k, [HV, nb, K] decay and decay*k (a * khat
+  // only for the recurrent kernel: its fused read of the next token's state), [HV, nb] beta, v
+  // converted or widened, and the pass's and the kernel's arguments on them. The buffers come
+  // from the output cache too (1-2 MB each): glibc hands heap blocks of this size back to the
+  // system when it trims its heap, and then the next call faults them in again.
+  struct Workspace {
+    explicit Workspace(int64_t N) : rows(N), re(N), vo_shift(N, 0) {}
+    BlockRows rows;
+    std::vector<int64_t> re, vo_shift;
+    at::Tensor q, k, a, ak, beta, v;
+    kernels::PrepArgs<T> P;
+    kernels::FwdArgs<T> A;
+  };
+  std::vector<std::unique_ptr<Workspace>> wss;  // (the arguments point into their own vectors)
+  for (int w = 0; w < (ahead ? 2 : 1); ++w) {
+    Workspace& W = *wss.emplace_back(std::make_unique<Workspace>(d.N));
+    if (conv_vo && !(own_rows && widen_v)) W.v = empty_output({nb, d.HV * d.V}, opts);
+    if (!own_rows) {
+      W.q = empty_output({d.H, nb, d.K}, opts);
+      W.k = empty_output({d.H, nb, d.K}, opts);
+      W.a = empty_output({d.HV, nb, d.K}, opts);
+      W.ak = empty_output({d.HV, nb, d.K}, opts);
+      W.beta = empty_output({d.HV, nb}, opts);
+    }
+    W.P = P0;
+    W.P.q_out = ptr(W.q);
+    W.P.k_out = ptr(W.k);
+    W.P.a_out = ptr(W.a);
+    W.P.ak_out = ptr(W.ak);
+    W.P.beta_out = ptr(W.beta);
+    if (widen_v) W.P.v_out = ptr(W.v);
+    kernels::FwdArgs<T>& A = W.A;
+    A.seqs = seq_info(seqs);
+    A.seqs.shift = W.rows.shift.data();
+    A.seqs.vo_shift = conv_vo ? W.vo_shift.data() : nullptr;
+    point_at_block_rows(A, W.P, d);
+    A.v = conv_vo ? ptr(W.v) : ptr(v_c);
+    A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
+    A.o = conv_vo ? o_w.data_ptr<T>() : o.data_ptr<T>();
+    A.ht = ht.data_ptr<T>();
+    A.ckpt = ckpt.defined() && ckpt.numel() > 0 ? ckpt.data_ptr<T>() : nullptr;
+  }
+  // Block j's token range of every sequence, and its rows in W.
+  auto set_block = [&](Workspace& W, int64_t j) {
     int64_t used = 0;
     for (int64_t n = 0; n < d.N; ++n) {
-      rs[n] = std::min(seqs.end[n], seqs.start[n] + j * plan.tb);
-      re[n] = std::min(seqs.end[n], rs[n] + plan.tb);
-      loc[n] = used;
-      shift[n] = rs[n] - used;
-      vo_shift[n] = shift[n];
-      used += re[n] - rs[n];
+      const int64_t rs = std::min(seqs.end[n], seqs.start[n] + j * plan.tb);
+      W.rows.rs[n] = rs;
+      W.re[n] = std::min(seqs.end[n], rs + plan.tb);
+      W.rows.loc[n] = used;
+      W.rows.shift[n] = W.vo_shift[n] = rs - used;
+      used += W.re[n] - rs;
     }
-    loc[d.N] = used;
+    W.rows.loc[d.N] = used;
+  };
+  // Pre-processing of a block's rows; values outside the domain are reported before the
+  // block's recurrence runs.
+  auto prep_now = [&](const Workspace& W) {
+    FirstBad bad;
+    prep_block<T>(W.P, W.rows, conv_in, bad);
+    report_domain(bad, in, cfg, d);
+  };
+  if (ahead) {
+    set_block(*wss[0], 0);
+    prep_now(*wss[0]);
+  }
+  for (int64_t j = 0; j < plan.n_blocks; ++j) {
+    Workspace& W = *wss[j % wss.size()];
+    if (!ahead) set_block(W, j);
     if (conv_in) {
-      copy_block_rows(q_w, q_in, rows);
-      copy_block_rows(k_w, k_in, rows);
-      copy_block_rows(g_w, g_in, rows);
-      copy_block_rows(b_w, b_in, rows);
+      copy_block_rows(q_w, q_in, W.rows);
+      copy_block_rows(k_w, k_in, W.rows);
+      copy_block_rows(g_w, g_in, W.rows);
+      copy_block_rows(b_w, b_in, W.rows);
     }
-    if (conv_vo && !widen_v) copy_block_rows(v_w, v_in, rows);
-    // Pre-processing of the block's rows; values outside the domain are reported before the
-    // block's recurrence runs.
-    if (!own_rows) {
-      FirstBad bad;
-      prep_block<T>(P, rows, conv_in, bad);
-      report_domain(bad, in, cfg, d);
+    if (conv_vo && !widen_v) copy_block_rows(W.v, v_in, W.rows);
+    if (!own_rows && !ahead) prep_now(W);
+    // One ahead: block j + 1's pass beside block j's units, in tasks of a few rows.
+    Workspace* next = ahead && j + 1 < plan.n_blocks ? wss[(j + 1) % 2].get() : nullptr;
+    SideWork side;
+    FirstBad bad_next;
+    if (next) {
+      set_block(*next, j + 1);
+      const int64_t used = next->rows.loc.back(), grain = block_rows_grain(next->rows);
+      side.tasks = (used + grain - 1) / grain;
+      side.run = [&, next, used, grain](int64_t i) {
+        prep_rows<T>(next->P, next->rows, false, i * grain, std::min(used, (i + 1) * grain),
+                     bad_next);
+      };
     }
-    run_block(A, own, rs, re, j, plan.n_blocks);
+    run_block(W.A, own, W.rows.rs, W.re, j, plan.n_blocks, side);
+    if (next) report_domain(bad_next, in, cfg, d);
     if (conv_vo) {
       const at::Tensor o2 = o.view({BT, d.HV * d.V});
       for (int64_t n = 0; n < d.N; ++n) {
-        const int64_t len = re[n] - rs[n];
-        if (len > 0) o2.narrow(0, rs[n], len).copy_(o_w.narrow(0, loc[n], len));
+        const int64_t len = W.re[n] - W.rows.rs[n];
+        if (len > 0) o2.narrow(0, W.rows.rs[n], len).copy_(o_w.narrow(0, W.rows.loc[n], len));
       }
     }
   }
@@ -440,21 +490,50 @@ void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Seq
   run_fwd_blocked<T>(in, cfg, d, seqs, h0, o, ht, ckpt, BlockKernel::kRecurrent,
                      [&](const kernels::FwdArgs<T>& block_args, const BlockPrep<T>&,
                          const std::vector<int64_t>& rs, const std::vector<int64_t>& re,
-                         int64_t j, int64_t n_blocks) {
+                         int64_t j, int64_t n_blocks, const SideWork& side) {
     if (j == 0 && n_blocks > 1) {
       states = empty_output({kernels::fwd_slices_elems(d.N, d.HV, d.K, d.V)}, opts);
     }
     kernels::FwdArgs<T> A = block_args;
     A.slices = states.defined() ? states.data_ptr<T>() : nullptr;
-    // An empty sequence still runs once (in block 0), so its final state is its initial state.
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t gi = u % groups;
-        const int64_t hv = (u / groups) % d.HV;
-        const int64_t n = u / (groups * d.HV);
-        if (rs[n] == re[n] && !(j == 0 && seqs.start[n] == seqs.end[n])) continue;
-        T* ws = ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * ws_stride;
-        fwd(A, n, hv, gi * n_slices / groups, (gi + 1) * n_slices / groups, rs[n], re[n], ws);
+    auto unit = [&](int64_t u) {
+      const int64_t gi = u % groups;
+      const int64_t hv = (u / groups) % d.HV;
+      const int64_t n = u / (groups * d.HV);
+      // An empty sequence still runs once (in block 0), so its final state is its initial one.
+      if (rs[n] == re[n] && !(j == 0 && seqs.start[n] == seqs.end[n])) return;
+      T* ws = ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * ws_stride;
+      fwd(A, n, hv, gi * n_slices / groups, (gi + 1) * n_slices / groups, rs[n], re[n], ws);
+    };
+    if (side.tasks == 0) {
+      at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t u = begin; u < end; ++u) unit(u);
+      });
+      return;
+    }
+    // The units and the next block's pass from two shared counters, one task per thread: one
+    // thread in kSideEvery takes the pass's tasks first, the others the units; each turns to the
+    // other kind when its own runs out. (The pass is about a fifth of the one-thread work; its
+    // threads then read memory while the others compute.) Inside another parallel region the
+    // tasks run one after the other, units first, so that the next block's rows are made right
+    // before its units read them. Units and passes write disjoint rows and compute the same
+    // bits on any thread.
+    constexpr int64_t kSideEvery = 8;
+    const bool nested = at::in_parallel_region();
+    std::atomic<int64_t> next_unit{0}, next_side{0};
+    at::parallel_for(0, threads, 1, [&](int64_t task, int64_t) {
+      auto units_left = [&] {
+        for (int64_t u = next_unit++; u < units; u = next_unit++) unit(u);
+      };
+      auto side_left = [&] {
+        for (int64_t i = next_side++; i < side.tasks; i = next_side++) side.run(i);
+      };
+      if (!nested && task % kSideEvery == 0) {
+        side_left();
+        units_left();
+      } else {
+        units_left();
+        side_left();
       }
     });
   });

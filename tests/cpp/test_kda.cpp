@@ -309,12 +309,13 @@ TEST_P(Forms, BitwiseIdenticalForOneAndTwoThreads) {
 }
 
 // Inside another parallel region at::parallel_for runs its tasks one after the other on the
-// calling thread: the chunk forward's tasks (one per thread, handing work to each other) must
-// still finish, with the bits of a top-level call.
+// calling thread: the chunk forward's tasks (one per thread, handing work to each other) and the
+// recurrent forward's (its units beside the next token block's pre-processing; T spans three of
+// its 4096-token blocks) must still finish, with the bits of a top-level call.
 TEST_P(Forms, NestedInAParallelRegionMatchesTopLevel) {
   Problem p;
   p.B = 2;
-  p.T = 600;
+  p.T = 2 * 4096 + 100;
   p.dtype = at::kFloat;
   const Data d = make_data(p, 10);
   const auto o = full_options(d);

@@ -16,6 +16,7 @@
 #include <kda/kda.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -603,9 +604,23 @@ class FusedRecurrentFunction : public torch::autograd::Function<FusedRecurrentFu
   }
 };
 
+// Whether t carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp; level 0,
+// the first dual level).
+bool has_tangent(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
+bool has_tangent(const std::optional<at::Tensor>& t) { return t && has_tangent(*t); }
+
 // kda::fused_recurrent and (chunk) kda::chunk under autograd.
 std::tuple<at::Tensor, at::Tensor> autograd_impl(bool chunk, KDA_OP_ARGS) {
   check_defined_same_device(chunk ? kChunk : kRec, KDA_OP_FORWARD);
+  // The ops have no forward-mode formula: a tangent would be dropped without a word (the outputs
+  // carry none, and torch.func.jvp reads that as zero).
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(has_tangent(q) || has_tangent(k) || has_tangent(v) || has_tangent(g) ||
+        has_tangent(beta) || has_tangent(initial_state) || has_tangent(A_log) ||
+        has_tangent(dt_bias)),
+      chunk ? kChunk : kRec, "forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is "
+      "not implemented by the native operator; use the reference (torch_kda's backend="
+      "'reference', or 'auto', which picks it for inputs with tangents)");
   auto req = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
   const bool needs_grad =
       at::GradMode::is_enabled() &&
@@ -775,6 +790,14 @@ bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
 // into one place). The rule and the words of torch_kda._checks.check_no_aliasing.
 bool check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& written,
                        const std::vector<std::pair<std::string, at::Tensor>>& read, bool probe) {
+  for (const auto& [name, t] : written) {
+    // PyTorch refuses to bump the version of an inference tensor outside inference mode, which
+    // the call does after writing: refused here instead, before anything is written.
+    KDA_RULE(VALUE, !t.is_inference() || c10::InferenceMode::is_enabled(), kSrv, name,
+             " was made under inference mode and is written in place here, outside it; call "
+             "under torch.inference_mode() / c10::InferenceMode, or make ", name,
+             " outside inference mode");
+  }
   for (const auto& [name, t] : written) {
     if (!may_self_overlap(t)) continue;
     if (probe) return false;

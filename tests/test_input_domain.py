@@ -129,6 +129,31 @@ def test_unstable_write_warning_names_the_value_head_with_grouped_heads(monkeypa
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("check", ["native op", "aten ops"])
+def test_beta_two_with_keys_normalised_by_the_caller_gives_no_warning(monkeypatch, backend, check):
+    # beta = 2 is valid (docs/bad_inputs.md); keys normalised by the caller in fp32 have ||k||^2 =
+    # 1 + a few ulp, which read "beta * ||k||^2 = 2 > 2". Beyond rounding it still warns.
+    if check == "aten ops":
+        monkeypatch.setattr(torch_kda._checks, "_native_unstable_write", lambda: None)
+    gen = torch.Generator().manual_seed(44)
+    B, T, H, K, V = 2, 6, 2, 128, 8
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    n2 = k.square().sum(-1)
+    assert (n2 > 1).any()  # rounding above 1 somewhere: the case at hand
+    g = -torch.rand(B, T, H, K, generator=gen) * 0.1
+    beta = torch.full((B, T, H), 2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            torch_kda.fused_recurrent_kda(q, k, v, g, beta, backend=backend)
+    k[1, 3, 1] *= 1.0005  # ||k||^2 = 1.001: beyond rounding
+    with pytest.warns(UserWarning, match=r"beta \* \|\|k\|\|\^2 = 2\.00\d* > 2 at \[1, 3, 1\]"):
+        with torch.no_grad():
+            torch_kda.fused_recurrent_kda(q, k, v, g, beta, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("gate", ["none", "softplus", "bounded"])
 @pytest.mark.parametrize("l2norm,beta_sigmoid,neg", [(True, True, True), (True, False, False),
                                                      (False, True, False), (False, False, False)])

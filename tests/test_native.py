@@ -185,6 +185,36 @@ def test_second_order_gradient_names_reference_backend():
         torch.autograd.grad(gq.sum(), p.q)
 
 
+@pytest.mark.parametrize("name", ["fused_recurrent_kda", "chunk_kda"])
+def test_forward_mode_ad_runs_the_reference_under_auto_and_native_refuses(name):
+    # The native op has no forward-mode formula: its outputs carried no tangent, which
+    # torch.func.jvp read as zero. auto runs the reference for inputs with tangents; native and the
+    # raw op refuse.
+    import torch.autograd.forward_ad as fwAD
+    fn = getattr(torch_kda, name)
+    p = make_problem(B=1, T=9, H=2, HV=4, K=5, V=3, seed=41).to(torch.float64)
+    tq = torch.randn(p.q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(42))
+
+    def f(backend):
+        return lambda q: fn(q, *p.args[1:], **p.kwargs, backend=backend)[0]
+
+    # float64 oracle: the reference's Jacobian (reverse mode) times the tangent
+    J = torch.autograd.functional.jacobian(f("reference"), p.q)
+    _, jvp_auto = torch.func.jvp(f("auto"), (p.q,), (tq,))
+    expected = (J.reshape(-1, p.q.numel()) @ tq.reshape(-1)).reshape(jvp_auto.shape)
+    assert expected.norm() > 0
+    assert rel_err(jvp_auto, expected) < 1e-10
+    with fwAD.dual_level():
+        o = f("auto")(fwAD.make_dual(p.q, tq))
+        assert rel_err(fwAD.unpack_dual(o).tangent, expected) < 1e-10
+    with pytest.raises(NotImplementedError, match="backend='reference'"):
+        torch.func.jvp(f("native"), (p.q,), (tq,))
+    op = torch.ops.kda.chunk if name == "chunk_kda" else torch.ops.kda.fused_recurrent
+    args = op_args(p)
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        op(fwAD.make_dual(args[0], tq), *args[1:])
+
+
 def test_empty_input_and_zero_length_sequences_pass_state_through():
     p = make_problem(B=2, T=0, H=1, HV=2, K=5, V=3, seed=1)
     o, s = native(p)

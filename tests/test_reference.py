@@ -145,6 +145,32 @@ def test_low_precision_inputs_are_accurate(dtype, method):
     assert rel_err(s, s_ref) < 1e-5
 
 
+@pytest.mark.parametrize("method", ["fused_recurrent_kda", "chunk_kda"])
+def test_arithmetic_stays_fp32_under_autocast(method):
+    """torch.autocast("cpu", bfloat16) would run the reference's einsums and products in bf16
+    (3e-3 relative error): the reference turns it off, as the other backends ignore it."""
+    import torch_kda
+    p = make_problem(B=1, T=40, H=2, HV=4, K=16, V=8, seed=47).to(torch.float32)
+    o_ref, s_ref = oracle_kda(*p.to(torch.float64).args, **p.to(torch.float64).kwargs)
+    fn = getattr(reference, method)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, s = fn(*p.args, **p.kwargs)
+        o_api, s_api = getattr(torch_kda, method)(*p.args, **p.kwargs, backend="reference")
+    assert o.dtype == torch.float32
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+    assert torch.equal(o_api, o) and torch.equal(s_api, s)
+    # the serving path (a pool addressed by slots) too
+    pool = torch.randn(3, 4, 16, 8, generator=torch.Generator().manual_seed(48))
+    kw = {n: v for n, v in p.kwargs.items() if n != "initial_state"}
+    idx = torch.tensor([2])
+    plain = torch_kda.fused_recurrent_kda(*p.args, **kw, initial_state=pool, ssm_state_indices=idx,
+                                          backend="reference")[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = torch_kda.fused_recurrent_kda(*p.args, **kw, initial_state=pool, ssm_state_indices=idx,
+                                             backend="reference")[0]
+    assert torch.equal(auto, plain)
+
+
 @pytest.mark.parametrize("gate", ["none", "softplus"])
 @pytest.mark.parametrize("method", ["fused_recurrent_kda", "chunk_kda"])
 def test_wider_g_than_qkv_computes_in_the_qkv_dtype(gate, method):

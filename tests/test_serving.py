@@ -403,6 +403,33 @@ def test_inplace_serving_on_tensors_requiring_grad_is_rejected():
     assert torch.equal(pool, before)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inference_pool_written_outside_inference_mode_is_refused_before_writing(backend):
+    # PyTorch refuses the version bump of an inference tensor outside inference mode only after
+    # the write: the call is refused first, the pool and out unchanged.
+    p = _decode_problem(N=2)
+    with torch.inference_mode():
+        pool = _pool(4, 4, 16, 24, False)
+        out = torch.full((2, 1, 4, 24), 7.0)
+    before = pool.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="initial_state was made under inference mode"):
+        torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, initial_state=pool, inplace_final_state=True,
+                                      ssm_state_indices=torch.tensor([1, 3]), backend=backend)
+    assert torch.equal(pool, before)
+    with torch.no_grad(), pytest.raises(ValueError, match="out was made under inference mode"):
+        torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, out=out, backend=backend)
+    assert (out == 7.0).all()
+    with torch.no_grad(), pytest.raises(ValueError, match="initial_state was made under inference mode"):
+        torch.ops.kda.fused_recurrent_serving(p.q, p.k, p.v, p.g, p.beta, 0.25, pool,
+                                              torch.tensor([1, 3]), None, torch.empty(2, 1, 4, 24),
+                                              None, -1, True)
+    assert torch.equal(pool, before)
+    with torch.inference_mode():  # inside inference mode: allowed, and the pool is updated
+        torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, initial_state=pool, inplace_final_state=True,
+                                      ssm_state_indices=torch.tensor([1, 3]), backend=backend)
+    assert not torch.equal(pool, before)
+
+
 def test_cpp_op_rejects_duplicate_slots_before_writing():
     p = _decode_problem(N=2)
     pool = _pool(4, 4, 16, 24, False)

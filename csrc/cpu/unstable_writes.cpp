@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace kda {
 namespace detail {
@@ -21,7 +22,7 @@ namespace {
 constexpr const char* kOp = "kda::_unstable_write: ";
 
 // First flat index f of beta (in beta's own order, [B, T, HV] or head-wise [B, T, HV, V]) where
-// beta'[f] * ||k[b, t, hv // (HV / H)]||^2 > 2, with beta' = beta_mult * sigmoid(beta) when
+// beta'[f] * ||k[b, t, hv // (HV / H)]||^2 > 2 (beyond rounding), with beta' = beta_mult * sigmoid(beta) when
 // beta_sigmoid; -1 if none. NaN compares false (it propagates, by policy). Chunks of rows run in
 // parallel; the smallest hit wins, so the answer does not depend on the thread count.
 template <typename T>
@@ -31,6 +32,9 @@ int64_t first_unstable(const at::Tensor& k, const at::Tensor& beta, bool beta_si
   const int64_t G = beta.size(2) / H, C = beta.dim() == 4 ? beta.size(3) : 1;
   const T* kp = k.data_ptr<T>();
   const T* bp = beta.data_ptr<T>();
+  // 2 plus rounding (32 ulp, relative): keys normalised by the caller in fp32 have ||k||^2 =
+  // 1 + a few ulp, and beta = 2 (allowed) then read "2 > 2".
+  const T limit = T(2) * (T(1) + 32 * std::numeric_limits<T>::epsilon());
   std::atomic<int64_t> first{-1};
   at::parallel_for(0, B * Tn * H, 1024, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {  // r = (b * T + t) * H + h
@@ -47,7 +51,7 @@ int64_t first_unstable(const at::Tensor& k, const at::Tensor& beta, bool beta_si
       for (int64_t f = r * G * C; f < (r + 1) * G * C; ++f) {
         T b = bp[f];
         if (beta_sigmoid) b = beta_mult / (1 + std::exp(-b));
-        if (b * n2 > 2) {
+        if (b * n2 > limit) {
           int64_t cur = first.load(std::memory_order_relaxed);
           while ((cur < 0 || f < cur) && !first.compare_exchange_weak(cur, f)) {
           }

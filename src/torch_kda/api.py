@@ -22,6 +22,7 @@ import os
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import _fla, _native, reference
 from ._checks import KDAInputs, check_cu_seqlens_cpu, check_serving_inputs
@@ -77,6 +78,24 @@ _ENV_KEYS: Dict[str, object] = {}  # name -> its key in os.environ's mapping (_e
 
 # TORCH_KDA_BACKEND values that leave backend="auto" its own choice
 _AUTO = ("", "auto")
+
+
+def _backend_for_tangents(backend: str, *tensors) -> str:
+    """The backend for a call under forward-mode AD (``torch.autograd.forward_ad``,
+    ``torch.func.jvp``) whose inputs carry tangents: only the reference has a forward-mode
+    formula, so ``"auto"`` becomes ``"reference"`` and ``"native"`` raises NotImplementedError
+    (the native op raises too when called directly: a tangent is never dropped without a word).
+    ``backend`` itself when no dual level is active (one attribute read) or no input has one."""
+    if getattr(_forward_ad, "_current_level", -1) < 0 or backend not in ("auto", "native"):
+        return backend
+    if not any(isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None
+               for t in tensors):
+        return backend
+    if backend == "native":
+        raise NotImplementedError("forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is "
+                                  "not implemented by the native backend; use backend='reference' "
+                                  "(or 'auto', which picks it for inputs with tangents)")
+    return "reference"
 
 
 def _resolve_backend(backend: str, x: KDAInputs) -> str:
@@ -178,6 +197,7 @@ def fused_recurrent_kda(
             call leaves the pool unchanged.
         RuntimeError: the requested backend cannot run here (see :func:`available_backends`).
     """
+    backend = _backend_for_tangents(backend, q, k, v, g, beta, initial_state, A_log, dt_bias)
     # The native backend: checked and run in one C++ call (decode loops: docs/benchmarks.md
     # "Decode: the Python layer, fifth round"); None where it refuses the arguments, and then the
     # checks below raise with their words (or pick another backend).
@@ -278,6 +298,7 @@ def chunk_kda(
         raise TypeError(f"disable_recompute must be a bool, got {type(disable_recompute).__name__}")
     if cu_seqlens_cpu is not None:
         check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, q)
+    backend = _backend_for_tangents(backend, q, k, v, g, beta, initial_state, A_log, dt_bias)
     x, srv = check_serving_inputs(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,

@@ -13,6 +13,7 @@ float64 for float64 ``q``; ``o`` comes back in ``q``'s dtype, the final state in
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -277,6 +278,21 @@ def chunk_kda(
     return run_reference(x, "chunk")
 
 
+def _without_autocast(run):
+    """``run(x, ...)`` with autocast off on ``x``'s device: the reference computes in fp32 (fp64
+    for fp64 inputs) as the other backends do, whatever autocast would pick for its einsums and
+    products (bf16 under ``torch.autocast("cpu")``: 3e-3 relative error instead of 2e-7)."""
+    @functools.wraps(run)
+    def wrapped(x: KDAInputs, *args, **kwargs):
+        device = x.q.device.type
+        if not torch.is_autocast_enabled(device):
+            return run(x, *args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return run(x, *args, **kwargs)
+    return wrapped
+
+
+@_without_autocast
 def run_reference(x: KDAInputs, method: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run checked inputs through the recurrent or chunkwise reference (used by the dispatcher)."""
     return _run(x, _scan_for(method, x.chunk_size))
@@ -285,6 +301,7 @@ def run_reference(x: KDAInputs, method: str) -> Tuple[torch.Tensor, Optional[tor
 # ---- serving: a state pool addressed by slot indices (docs/serving.md) ------------------------
 
 
+@_without_autocast
 def run_serving_reference(x: KDAInputs, s: ServingArgs, method: str = "recurrent"):
     """The serving contract in plain PyTorch: gather each sequence's state, run it, scatter back.
 

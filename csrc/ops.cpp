@@ -267,9 +267,26 @@ Config make_config(const char* op, double scale, bool l2, bool gate, bool sig, b
   return c;
 }
 
+// Whether t carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp; level 0,
+// the first dual level).
+bool has_tangent(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
+bool has_tangent(const std::optional<at::Tensor>& t) { return t && has_tangent(*t); }
+bool any_tangent(const Inputs& in) {
+  return has_tangent(in.q) || has_tangent(in.k) || has_tangent(in.v) || has_tangent(in.g) ||
+         has_tangent(in.beta) || has_tangent(in.initial_state) || has_tangent(in.A_log) ||
+         has_tangent(in.dt_bias);
+}
+
+// The entry of every CPU kernel (forward, backward, serving ops).
 void check_cpu(const char* op, const Inputs& in) {
   KDA_CHECK_VALUE(in.q.device().is_cpu(), op, "the native kernels run on CPU tensors, got q on ",
               in.q.device());
+  // No op has a forward-mode formula: a tangent would be dropped without a word (the outputs
+  // carry none, and torch.func.jvp reads that as zero).
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !any_tangent(in), op, "forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not implemented by the "
+      "native operator; use the reference (torch_kda's backend='reference', or 'auto', which "
+      "picks it for inputs with tangents)");
 }
 
 #define KDA_OP_ARGS                                                                         \
@@ -604,23 +621,9 @@ class FusedRecurrentFunction : public torch::autograd::Function<FusedRecurrentFu
   }
 };
 
-// Whether t carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp; level 0,
-// the first dual level).
-bool has_tangent(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
-bool has_tangent(const std::optional<at::Tensor>& t) { return t && has_tangent(*t); }
-
 // kda::fused_recurrent and (chunk) kda::chunk under autograd.
 std::tuple<at::Tensor, at::Tensor> autograd_impl(bool chunk, KDA_OP_ARGS) {
   check_defined_same_device(chunk ? kChunk : kRec, KDA_OP_FORWARD);
-  // The ops have no forward-mode formula: a tangent would be dropped without a word (the outputs
-  // carry none, and torch.func.jvp reads that as zero).
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !(has_tangent(q) || has_tangent(k) || has_tangent(v) || has_tangent(g) ||
-        has_tangent(beta) || has_tangent(initial_state) || has_tangent(A_log) ||
-        has_tangent(dt_bias)),
-      chunk ? kChunk : kRec, "forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is "
-      "not implemented by the native operator; use the reference (torch_kda's backend="
-      "'reference', or 'auto', which picks it for inputs with tangents)");
   auto req = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
   const bool needs_grad =
       at::GradMode::is_enabled() &&
@@ -847,7 +850,8 @@ bool check_serving(KDA_SERVING_ARGS, bool probe, Inputs& in, Config& cfg, Dims& 
   cfg = make_config(kSrv, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                     use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first);
   if (probe) {
-    if (!q.is_cpu() || !check_inputs(in, cfg, /*check_values=*/true, /*probe=*/true, d)) {
+    if (!q.is_cpu() || any_tangent(in) ||
+        !check_inputs(in, cfg, /*check_values=*/true, /*probe=*/true, d)) {
       return false;
     }
   } else {

@@ -430,6 +430,19 @@ def test_inference_pool_written_outside_inference_mode_is_refused_before_writing
     assert not torch.equal(pool, before)
 
 
+def test_forward_mode_ad_through_the_serving_op_is_refused():
+    # No native op has a forward-mode formula: a tangent would be dropped without a word.
+    import torch.autograd.forward_ad as fwAD
+    p = _decode_problem(N=2)
+    pool = _pool(4, 4, 16, 24, False)
+    before = pool.clone()
+    with torch.no_grad(), fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.ops.kda.fused_recurrent_serving(fwAD.make_dual(p.q, torch.randn_like(p.q)), p.k, p.v,
+                                              p.g, p.beta, 0.25, pool, torch.tensor([1, 3]), None,
+                                              torch.empty(2, 1, 4, 24), None, -1, True)
+    assert torch.equal(pool, before)
+
+
 def test_cpp_op_rejects_duplicate_slots_before_writing():
     p = _decode_problem(N=2)
     pool = _pool(4, 4, 16, 24, False)

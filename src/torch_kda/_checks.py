@@ -428,7 +428,10 @@ class ServingArgs:
 
 def _require_bool(name: str, x) -> bool:
     if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+        t = type(x)
+        # qualified outside builtins: numpy's bool is named "bool" too
+        kind = t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+        raise TypeError(f"{name} must be a bool, got {kind} {x!r}")
     return x
 
 

@@ -283,10 +283,11 @@ void check_cpu(const char* op, const Inputs& in) {
               in.q.device());
   // No op has a forward-mode formula: a tangent would be dropped without a word (the outputs
   // carry none, and torch.func.jvp reads that as zero).
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !any_tangent(in), op, "forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not implemented by the "
-      "native operator; use the reference (torch_kda's backend='reference', or 'auto', which "
-      "picks it for inputs with tangents)");
+  TORCH_CHECK_NOT_IMPLEMENTED(!any_tangent(in), op,
+                              "forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not "
+                              "implemented by the native operator; use the reference (torch_kda's "
+                              "backend='reference', or 'auto', which picks it for inputs with "
+                              "tangents)");
 }
 
 #define KDA_OP_ARGS                                                                         \

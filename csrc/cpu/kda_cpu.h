@@ -145,8 +145,8 @@ void for_block_rows(const BlockRows& rows, int64_t b, int64_t e, const F& f) {
     b = stop;
   }
 }
-// The rows per task of parallel_block_rows: a few, so that every thread gets some of a short
-// block.
+// The rows per task of parallel_block_rows (and of the forward's pass beside the units): a few,
+// so that every thread gets some of a short block.
 inline int64_t block_rows_grain(const BlockRows& rows) {
   const int64_t used = rows.loc.back();
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -224,7 +224,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_forward(const Inputs& in, con
 // The kernel that run_fwd_blocked's blocks feed (recurrent_fwd.cpp, plan_blocks, says why the sizes):
 enum class BlockKernel {
   kRecurrent,  // 2 MB of rows per thread (its results do not depend
-               // on where blocks start); the rows include a * khat (A.ak), its next token's read
+               // on where blocks start); the rows include a * khat (A.ak), its next token's read;
+               // with several threads two such workspaces (block j + 1 pre-processed beside j)
   kChunk,      // 2 MB of rows, at least 4 chunks of each sequence: the shapes only (the chunk
                // forward's last bits depend on where blocks cut packed sequences); the kernel
                // pre-processes its own rows (BlockPrep): A.q, A.k, A.a, A.ak, A.beta are null,

@@ -277,17 +277,24 @@ bool any_tangent(const Inputs& in) {
          has_tangent(in.dt_bias);
 }
 
-// The entry of every CPU kernel (forward, backward, serving ops).
-void check_cpu(const char* op, const Inputs& in) {
-  KDA_CHECK_VALUE(in.q.device().is_cpu(), op, "the native kernels run on CPU tensors, got q on ",
-              in.q.device());
-  // No op has a forward-mode formula: a tangent would be dropped without a word (the outputs
-  // carry none, and torch.func.jvp reads that as zero).
+// No op has a forward-mode formula: a tangent would be dropped without a word (the outputs carry
+// none, and torch.func.jvp reads that as zero). Called at every CPU kernel (tangents of
+// torch.autograd.forward_ad) and in the autograd kernels: under torch.func.jvp / jacfwd the
+// tangents sit on functorch's wrappers, which the autograd kernels receive and the CPU kernels
+// get unwrapped.
+void reject_tangents(const char* op, const Inputs& in) {
   TORCH_CHECK_NOT_IMPLEMENTED(!any_tangent(in), op,
                               "forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not "
                               "implemented by the native operator; use the reference (torch_kda's "
                               "backend='reference', or 'auto', which picks it for inputs with "
                               "tangents)");
+}
+
+// The entry of every CPU kernel (forward, backward, serving ops).
+void check_cpu(const char* op, const Inputs& in) {
+  KDA_CHECK_VALUE(in.q.device().is_cpu(), op, "the native kernels run on CPU tensors, got q on ",
+              in.q.device());
+  reject_tangents(op, in);
 }
 
 #define KDA_OP_ARGS                                                                         \
@@ -625,6 +632,7 @@ class FusedRecurrentFunction : public torch::autograd::Function<FusedRecurrentFu
 // kda::fused_recurrent and (chunk) kda::chunk under autograd.
 std::tuple<at::Tensor, at::Tensor> autograd_impl(bool chunk, KDA_OP_ARGS) {
   check_defined_same_device(chunk ? kChunk : kRec, KDA_OP_FORWARD);
+  reject_tangents(chunk ? kChunk : kRec, KDA_OP_INPUTS);
   auto req = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
   const bool needs_grad =
       at::GradMode::is_enabled() &&
@@ -1093,6 +1101,7 @@ void bump_written_versions(const at::Tensor& out, const std::optional<at::Tensor
 
 // Serving is inference only: the pool and out are written in place, which autograd cannot follow.
 void fused_recurrent_serving_autograd(KDA_SERVING_ARGS) {
+  reject_tangents(kSrv, make_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias));
   if (at::GradMode::is_enabled()) {
     auto req = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
     const char* name = q.requires_grad() ? "q" : k.requires_grad() ? "k" : v.requires_grad() ? "v"

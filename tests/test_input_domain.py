@@ -147,6 +147,11 @@ def test_beta_two_with_keys_normalised_by_the_caller_gives_no_warning(monkeypatc
         warnings.simplefilter("error")
         with torch.no_grad():
             torch_kda.fused_recurrent_kda(q, k, v, g, beta, backend=backend)
+            # keys normalised in their own 16-bit dtype: ||k||^2 up to ~1e-3 above 1
+            for dt in (torch.bfloat16, torch.float16):
+                k16 = torch.nn.functional.normalize(k.to(dt), dim=-1)
+                torch_kda.fused_recurrent_kda(q.to(dt), k16, v.to(dt), g.to(dt), beta.to(dt),
+                                              backend=backend)
     k[1, 3, 1] *= 1.0005  # ||k||^2 = 1.001: beyond rounding
     with pytest.warns(UserWarning, match=r"beta \* \|\|k\|\|\^2 = 2\.00\d* > 2 at \[1, 3, 1\]"):
         with torch.no_grad():

@@ -185,14 +185,18 @@ def test_second_order_gradient_names_reference_backend():
         torch.autograd.grad(gq.sum(), p.q)
 
 
+@pytest.mark.parametrize("l2norm", [True, False])
 @pytest.mark.parametrize("name", ["fused_recurrent_kda", "chunk_kda"])
-def test_forward_mode_ad_runs_the_reference_under_auto_and_native_refuses(name):
+def test_forward_mode_ad_runs_the_reference_under_auto_and_native_refuses(name, l2norm):
     # The native op has no forward-mode formula: its outputs carried no tangent, which
     # torch.func.jvp read as zero. auto runs the reference for inputs with tangents; native and the
-    # raw op refuse.
+    # raw ops refuse (under forward_ad and under torch.func.jvp, whose tangents never reach the
+    # kernels). Without the in-op l2 norm the unstable-write check runs on the inputs too.
     import torch.autograd.forward_ad as fwAD
     fn = getattr(torch_kda, name)
-    p = make_problem(B=1, T=9, H=2, HV=4, K=5, V=3, seed=41).to(torch.float64)
+    p = make_problem(B=1, T=9, H=2, HV=4, K=5, V=3, l2norm=l2norm, seed=41).to(torch.float64)
+    if not l2norm:
+        p.k = p.k / p.k.norm(dim=-1, keepdim=True)
     tq = torch.randn(p.q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(42))
 
     def f(backend):
@@ -209,12 +213,17 @@ def test_forward_mode_ad_runs_the_reference_under_auto_and_native_refuses(name):
         assert rel_err(fwAD.unpack_dual(o).tangent, expected) < 1e-10
     with pytest.raises(NotImplementedError, match="backend='reference'"):
         torch.func.jvp(f("native"), (p.q,), (tq,))
-    # the raw ops (and those with checkpoints that autograd calls) refuse at their CPU kernels
+    # the raw ops (and those with checkpoints that autograd calls) refuse forward_ad's tangents at
+    # their CPU kernels
     ops = ("chunk", "chunk_fwd") if name == "chunk_kda" else ("fused_recurrent", "fused_recurrent_fwd")
     args = op_args(p)
     for op in ops:
         with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
             getattr(torch.ops.kda, op)(fwAD.make_dual(args[0], tq), *args[1:])
+    # under torch.func.jvp the public ops refuse at their autograd kernels (the internal *_fwd ops
+    # have none: autograd calls them below it)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda q: getattr(torch.ops.kda, ops[0])(q, *args[1:])[0], (args[0],), (tq,))
 
 
 def test_empty_input_and_zero_length_sequences_pass_state_through():

@@ -441,6 +441,41 @@ def test_forward_mode_ad_through_the_serving_op_is_refused():
                                               p.g, p.beta, 0.25, pool, torch.tensor([1, 3]), None,
                                               torch.empty(2, 1, 4, 24), None, -1, True)
     assert torch.equal(pool, before)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda q: torch.ops.kda.fused_recurrent_serving(
+            q, p.k, p.v, p.g, p.beta, 0.25, pool, torch.tensor([1, 3]), None,
+            torch.empty(2, 1, 4, 24), None, -1, False), (p.q,), (torch.randn_like(p.q),))
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("auto",))
+def test_in_place_serving_under_forward_mode_ad_is_refused_and_read_only_serving_runs(backend):
+    # In place, the pool (and out) could carry no tangent (forward_ad dropped the pool's; under
+    # torch.func.jvp the checks met functorch's wrappers): refused before writing. A read-only
+    # pool gives the reference's tangent (auto) or is refused (native).
+    import torch.autograd.forward_ad as fwAD
+    p = _decode_problem(N=2)
+    pool = _pool(4, 4, 16, 24, False)
+    before = pool.clone()
+    tq = torch.randn_like(p.q)
+    call = lambda q, **kw: torch_kda.fused_recurrent_kda(q, *p.args[1:], **p.kwargs, initial_state=pool,
+                                                         ssm_state_indices=torch.tensor([1, 3]),
+                                                         backend=backend, **kw)[0]
+    with torch.no_grad():
+        with fwAD.dual_level(), pytest.raises((ValueError, NotImplementedError),
+                                              match="forward-mode AD"):
+            call(fwAD.make_dual(p.q, tq), inplace_final_state=True)
+        with pytest.raises((ValueError, NotImplementedError), match="forward-mode AD"):
+            torch.func.jvp(lambda q: call(q, inplace_final_state=True), (p.q,), (tq,))
+        with pytest.raises((ValueError, NotImplementedError), match="forward-mode AD"):
+            torch.func.jvp(lambda q: call(q, out=torch.empty(2, 1, 4, 24)), (p.q,), (tq,))
+    assert torch.equal(pool, before)
+    if backend == "native":
+        return
+    _, t = torch.func.jvp(call, (p.q,), (tq,))
+    eps = 1e-3  # central difference in fp32 on a smooth map: about eps^2 relative
+    fd = (call(p.q + eps * tq) - call(p.q - eps * tq)) / (2 * eps)
+    assert t.norm() > 0 and rel_err(t, fd) < 1e-3
 
 
 def test_cpp_op_rejects_duplicate_slots_before_writing():

@@ -10,6 +10,7 @@
 
 #include "cpu/kda_cpu.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -27,14 +28,15 @@ constexpr const char* kOp = "kda::_unstable_write: ";
 // parallel; the smallest hit wins, so the answer does not depend on the thread count.
 template <typename T>
 int64_t first_unstable(const at::Tensor& k, const at::Tensor& beta, bool beta_sigmoid,
-                       T beta_mult) {
+                       T beta_mult, T k_eps) {
   const int64_t B = k.size(0), Tn = k.size(1), H = k.size(2), K = k.size(3);
   const int64_t G = beta.size(2) / H, C = beta.dim() == 4 ? beta.size(3) : 1;
   const T* kp = k.data_ptr<T>();
   const T* bp = beta.data_ptr<T>();
-  // 2 plus rounding (32 ulp, relative): keys normalised by the caller in fp32 have ||k||^2 =
-  // 1 + a few ulp, and beta = 2 (allowed) then read "2 > 2".
-  const T limit = T(2) * (T(1) + 32 * std::numeric_limits<T>::epsilon());
+  // 2 plus rounding: keys normalised by the caller have ||k||^2 = 1 + their rounding, and beta
+  // = 2 (allowed) then read "2 > 2": 32 ulp of the compute dtype, or one ulp of k's own dtype
+  // (k_eps; bf16 keys normalised in bf16 land ~1e-4..1e-3 above 1).
+  const T limit = T(2) * (T(1) + std::max<T>(32 * std::numeric_limits<T>::epsilon(), k_eps));
   std::atomic<int64_t> first{-1};
   at::parallel_for(0, B * Tn * H, 1024, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {  // r = (b * T + t) * H + h
@@ -79,12 +81,18 @@ int64_t first_unstable_write(const at::Tensor& k, const at::Tensor& beta, bool b
                    beta.scalar_type());
   if (k.numel() == 0 || beta.numel() == 0) return -1;
   // The compute dtype of the op: fp64 for fp64 k, fp32 otherwise.
+  // One ulp of k's own dtype (torch.finfo(k.dtype).eps): the rounding of stored keys.
+  const double k_eps = k.scalar_type() == at::kBFloat16 ? 0.0078125
+                       : k.scalar_type() == at::kHalf   ? 0.0009765625
+                       : k.scalar_type() == at::kFloat  ? 1.1920928955078125e-07
+                                                        : 2.220446049250313e-16;
   if (k.scalar_type() == at::kDouble) {
     return first_unstable<double>(k.contiguous(), beta.to(at::kDouble).contiguous(), beta_sigmoid,
-                                  beta_mult);
+                                  beta_mult, k_eps);
   }
   return first_unstable<float>(k.to(at::kFloat).contiguous(), beta.to(at::kFloat).contiguous(),
-                               beta_sigmoid, static_cast<float>(beta_mult));
+                               beta_sigmoid, static_cast<float>(beta_mult),
+                               static_cast<float>(k_eps));
 }
 
 }  // namespace detail

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 
@@ -458,6 +459,25 @@ def _requires_grad(t) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad
 
 
+def _functorch_active() -> bool:
+    """Whether a torch.func transform is running: native ops called inside one see functorch's
+    tensors (no storage), not plain ones."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def _transformed(t) -> bool:
+    """Whether ``t`` is a functorch wrapper (inside ``torch.func.jvp`` / ``vmap`` / ``grad``) or
+    carries a forward-mode tangent (``torch.autograd.forward_ad``): the native library cannot
+    read the first and drops the second."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    if torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return True
+    return (getattr(_forward_ad, "_current_level", -1) >= 0
+            and _forward_ad.unpack_dual(t).tangent is not None)
+
+
 def check_serving_inputs(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
@@ -573,6 +593,14 @@ def check_serving_inputs(
     written = {"out": out} if out is not None else {}
     if inplace_final_state:
         written["initial_state"] = initial_state
+    if written and any(_transformed(t) for t in (q, k, v, g, beta, initial_state, A_log, dt_bias,
+                                                out)):
+        # the pool and out could carry no tangent (forward_ad dropped the pool's; under
+        # torch.func the writes reach functorch's wrappers): refused like gradients are
+        raise ValueError("in-place serving (inplace_final_state=True, out=) is inference only and "
+                         "cannot run under forward-mode AD (torch.autograd.forward_ad) or "
+                         "torch.func transforms (jvp, vmap, grad); call it on plain tensors, or "
+                         "with inplace_final_state=False and out=None")
     if written:
         if not torch.is_inference_mode_enabled():
             # PyTorch refuses an in-place update of an inference tensor outside inference mode
@@ -833,7 +861,8 @@ def warn_unstable_writes(x: KDAInputs, flat: Optional[int] = None) -> None:
     """
     if x.use_qk_l2norm_in_kernel:
         return
-    if flat is None and x.k.is_cpu and not torch.compiler.is_compiling():
+    if (flat is None and x.k.is_cpu and not torch.compiler.is_compiling()
+            and not _functorch_active() and not _transformed(x.k) and not _transformed(x.beta)):
         op = _native_unstable_write()
         # CPU: one pass of the native library (csrc/cpu/unstable_writes.cpp) instead of about six
         # ATen dispatches; a decode loop runs this on every call.
@@ -880,9 +909,11 @@ def _warn_unstable_writes(x: KDAInputs, flat: Optional[int]) -> None:
             kn2 = kn2.view(x.B, x.T, x.H, *([1] * (len(grouped) - 3)))
             beta = beta.reshape(grouped)
         if flat is None:
-            # 2 plus rounding (32 ulp, relative; as kda::_unstable_write): keys normalised by
-            # the caller have ||k||^2 = 1 + a few ulp, and beta = 2 is allowed.
-            bad = (beta * kn2).gt_(2 * (1 + 32 * torch.finfo(ct).eps))
+            # 2 plus rounding (as kda::_unstable_write): keys normalised by the caller have
+            # ||k||^2 = 1 + their rounding, and beta = 2 is allowed: 32 ulp of the compute
+            # dtype, or one ulp of k's own dtype (bf16 keys land ~1e-4..1e-3 above 1).
+            tol = max(32 * torch.finfo(ct).eps, torch.finfo(x.k.dtype).eps)
+            bad = (beta * kn2).gt_(2 * (1 + tol))
             if not bool(bad.any()):
                 return
             flat = int(bad.flatten().nonzero()[0])

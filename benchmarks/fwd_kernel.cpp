@@ -17,6 +17,7 @@
 //
 // (KDA_ISA=avx2 with -mavx2 -mfma -mf16c, or generic without flags, for the other kernels.)
 #include "cpu/kernels/recurrent_kernels.h"
+#include "cpu_clock.h"
 
 #include <immintrin.h>
 
@@ -24,17 +25,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
 #include <random>
 #include <vector>
 
 namespace {
-
-double cpu_seconds() {
-  timespec ts;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
 
 // GFLOP/s of independent FMA chains (12: more than latency x ports on current x86 cores).
 double fma_peak(float seed) {

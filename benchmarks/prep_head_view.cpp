@@ -19,6 +19,7 @@
 //       benchmarks/prep_head_view.cpp csrc/cpu/kernels/recurrent_kernels.cpp -o /tmp/prep_head_view
 //   /tmp/prep_head_view 16 1 7     # heads, gate (1: softplus in the op, 0: g a log decay), reps
 #include "cpu/kernels/recurrent_kernels.h"
+#include "cpu_clock.h"
 
 #include <algorithm>
 #include <cmath>
@@ -26,17 +27,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <ctime>
 #include <random>
 #include <vector>
 
 namespace {
-
-double cpu_seconds() {
-  timespec ts;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
 
 // float to bf16 bits, round to nearest even (finite inputs).
 uint16_t to_bf16(float x) {

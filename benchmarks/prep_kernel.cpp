@@ -21,22 +21,16 @@
 //
 // (KDA_ISA=avx2 with -mavx2 -mfma -mf16c, or generic without flags, for the other kernels.)
 #include "cpu/kernels/recurrent_kernels.h"
+#include "cpu_clock.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
 #include <random>
 #include <vector>
 
 namespace {
-
-double cpu_seconds() {
-  timespec ts;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
 
 // 64-byte aligned storage (the op's tensors are).
 struct Buf {

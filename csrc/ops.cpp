@@ -796,20 +796,25 @@ bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
   return a0 < b1 && b0 < a1;
 }
 
+// PyTorch refuses to bump the version of an inference tensor outside inference mode, which a
+// serving call does after writing: refused here instead, before anything is written (the rule
+// and the words of torch_kda._checks.check_serving_inputs).
+bool check_writable(const std::vector<std::pair<std::string, at::Tensor>>& written, bool probe) {
+  for (const auto& [name, t] : written) {
+    KDA_RULE(VALUE, !t.is_inference() || c10::InferenceMode::is_enabled(), kSrv, name,
+             " was made under inference mode and is written in place here, outside it; call "
+             "under torch.inference_mode() / c10::InferenceMode, or make ", name,
+             " outside inference mode");
+  }
+  return true;
+}
+
 // Memory a serving call writes in place (out, the pool with inplace_final_state, a caller's
 // final_state) must not alias itself, another output or an input: the kernels write while other
 // threads still read (out = q returned wrong values; an expanded pool wrote two sequences' states
 // into one place). The rule and the words of torch_kda._checks.check_no_aliasing.
 bool check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& written,
                        const std::vector<std::pair<std::string, at::Tensor>>& read, bool probe) {
-  for (const auto& [name, t] : written) {
-    // PyTorch refuses to bump the version of an inference tensor outside inference mode, which
-    // the call does after writing: refused here instead, before anything is written.
-    KDA_RULE(VALUE, !t.is_inference() || c10::InferenceMode::is_enabled(), kSrv, name,
-             " was made under inference mode and is written in place here, outside it; call "
-             "under torch.inference_mode() / c10::InferenceMode, or make ", name,
-             " outside inference mode");
-  }
   for (const auto& [name, t] : written) {
     if (!may_self_overlap(t)) continue;
     if (probe) return false;
@@ -937,7 +942,7 @@ bool check_serving(KDA_SERVING_ARGS, bool probe, Inputs& in, Config& cfg, Dims& 
     for (const auto& [name, t] : optional_reads) {
       if (t) read.emplace_back(name, *t);
     }
-    if (!check_no_aliasing(written, read, probe)) return false;
+    if (!check_writable(written, probe) || !check_no_aliasing(written, read, probe)) return false;
   }
 
   plan = ServingPlan();

@@ -349,9 +349,9 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
   // from the output cache too (1-2 MB each): glibc hands heap blocks of this size back to the
   // system when it trims its heap, and then the next call faults them in again.
   struct Workspace {
-    explicit Workspace(int64_t N) : rows(N), re(N), vo_shift(N, 0) {}
+    explicit Workspace(int64_t N) : rows(N), re(N) {}
     BlockRows rows;
-    std::vector<int64_t> re, vo_shift;
+    std::vector<int64_t> re;
     at::Tensor q, k, a, ak, beta, v;
     kernels::PrepArgs<T> P;
     kernels::FwdArgs<T> A;
@@ -377,7 +377,8 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
     kernels::FwdArgs<T>& A = W.A;
     A.seqs = seq_info(seqs);
     A.seqs.shift = W.rows.shift.data();
-    A.seqs.vo_shift = conv_vo ? W.vo_shift.data() : nullptr;
+    // v and o of the block's rows live in the block buffers (row = token - shift) when converted
+    A.seqs.vo_shift = conv_vo ? W.rows.shift.data() : nullptr;
     point_at_block_rows(A, W.P, d);
     A.v = conv_vo ? ptr(W.v) : ptr(v_c);
     A.h0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
@@ -393,7 +394,7 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
       W.rows.rs[n] = rs;
       W.re[n] = std::min(seqs.end[n], rs + plan.tb);
       W.rows.loc[n] = used;
-      W.rows.shift[n] = W.vo_shift[n] = rs - used;
+      W.rows.shift[n] = rs - used;
       used += W.re[n] - rs;
     }
     W.rows.loc[d.N] = used;

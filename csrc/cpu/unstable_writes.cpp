@@ -4,6 +4,7 @@
 // a decode call (one token per sequence). The warning itself is raised in Python: a TORCH_WARN
 // from an op called through torch.ops goes to stderr, not to Python's warnings.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -23,9 +24,10 @@ namespace {
 constexpr const char* kOp = "kda::_unstable_write: ";
 
 // First flat index f of beta (in beta's own order, [B, T, HV] or head-wise [B, T, HV, V]) where
-// beta'[f] * ||k[b, t, hv // (HV / H)]||^2 > 2 (beyond rounding), with beta' = beta_mult * sigmoid(beta) when
-// beta_sigmoid; -1 if none. NaN compares false (it propagates, by policy). Chunks of rows run in
-// parallel; the smallest hit wins, so the answer does not depend on the thread count.
+// beta'[f] * ||k[b, t, hv // (HV / H)]||^2 > 2 beyond rounding (limit below), with beta' =
+// beta_mult * sigmoid(beta) when beta_sigmoid; -1 if none. NaN compares false (it propagates,
+// by policy). Chunks of rows run in parallel; the smallest hit wins, so the answer does not
+// depend on the thread count. k_eps: one ulp of k's own dtype.
 template <typename T>
 int64_t first_unstable(const at::Tensor& k, const at::Tensor& beta, bool beta_sigmoid,
                        T beta_mult, T k_eps) {
@@ -82,10 +84,9 @@ int64_t first_unstable_write(const at::Tensor& k, const at::Tensor& beta, bool b
   if (k.numel() == 0 || beta.numel() == 0) return -1;
   // The compute dtype of the op: fp64 for fp64 k, fp32 otherwise.
   // One ulp of k's own dtype (torch.finfo(k.dtype).eps): the rounding of stored keys.
-  const double k_eps = k.scalar_type() == at::kBFloat16 ? 0.0078125
-                       : k.scalar_type() == at::kHalf   ? 0.0009765625
-                       : k.scalar_type() == at::kFloat  ? 1.1920928955078125e-07
-                                                        : 2.220446049250313e-16;
+  double k_eps = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "_unstable_write",
+                                  [&] { k_eps = double(std::numeric_limits<scalar_t>::epsilon()); });
   if (k.scalar_type() == at::kDouble) {
     return first_unstable<double>(k.contiguous(), beta.to(at::kDouble).contiguous(), beta_sigmoid,
                                   beta_mult, k_eps);

@@ -466,16 +466,25 @@ def _functorch_active() -> bool:
     return peek is not None and peek() is not None
 
 
+def forward_ad_active() -> bool:
+    """Whether a forward-mode dual level is open (``torch.autograd.forward_ad.dual_level``, also
+    inside ``torch.func.jvp``): one attribute read, cheap enough for every decode call."""
+    return getattr(_forward_ad, "_current_level", -1) >= 0
+
+
+def has_tangent(t) -> bool:
+    """Whether ``t`` carries a forward-mode tangent at the current dual level."""
+    return (forward_ad_active() and isinstance(t, torch.Tensor)
+            and _forward_ad.unpack_dual(t).tangent is not None)
+
+
 def _transformed(t) -> bool:
     """Whether ``t`` is a functorch wrapper (inside ``torch.func.jvp`` / ``vmap`` / ``grad``) or
     carries a forward-mode tangent (``torch.autograd.forward_ad``): the native library cannot
     read the first and drops the second."""
-    if not isinstance(t, torch.Tensor):
-        return False
-    if torch._C._functorch.is_functorch_wrapped_tensor(t):
+    if isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
         return True
-    return (getattr(_forward_ad, "_current_level", -1) >= 0
-            and _forward_ad.unpack_dual(t).tangent is not None)
+    return has_tangent(t)
 
 
 def check_serving_inputs(

@@ -22,10 +22,10 @@ import os
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 
 from . import _fla, _native, reference
-from ._checks import KDAInputs, check_cu_seqlens_cpu, check_serving_inputs
+from ._checks import (KDAInputs, check_cu_seqlens_cpu, check_serving_inputs, forward_ad_active,
+                      has_tangent)
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "kda_gate", "available_backends", "BackendStatus",
            "BACKENDS"]
@@ -86,10 +86,8 @@ def _backend_for_tangents(backend: str, *tensors) -> str:
     formula, so ``"auto"`` becomes ``"reference"`` and ``"native"`` raises NotImplementedError
     (the native op raises too when called directly: a tangent is never dropped without a word).
     ``backend`` itself when no dual level is active (one attribute read) or no input has one."""
-    if getattr(_forward_ad, "_current_level", -1) < 0 or backend not in ("auto", "native"):
-        return backend
-    if not any(isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None
-               for t in tensors):
+    if (backend not in ("auto", "native") or not forward_ad_active()
+            or not any(has_tangent(t) for t in tensors)):
         return backend
     if backend == "native":
         raise NotImplementedError("forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is "

@@ -52,10 +52,19 @@ $(VENV)/.setup-done: pyproject.toml Makefile | $(PY)
 	$(PIP) install -q --no-deps fla-core==$(FLA_VERSION)
 	$(PIP) install -q triton==$(TRITON_VERSION)
 	command -v cmake >/dev/null 2>&1 || $(PIP) install -q cmake
+	@# GoogleTest from the system's package manager; where none works, the C++ suite's CMake
+	@# builds the pinned googletest release from source (CMakeLists.txt, KDA_FETCH_GTEST).
 	@if [ ! -f /usr/include/gtest/gtest.h ]; then \
-	  echo "installing GoogleTest (libgtest-dev) with apt-get"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev) \
-	    || echo "WARNING: could not install libgtest-dev; the C++ tests need it"; \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev; \
+	  elif command -v dnf >/dev/null 2>&1; then dnf install -y -q gtest-devel; \
+	  elif command -v yum >/dev/null 2>&1; then yum install -y -q gtest-devel; \
+	  elif command -v zypper >/dev/null 2>&1; then zypper --non-interactive install gtest; \
+	  elif command -v apk >/dev/null 2>&1; then apk add --no-cache gtest-dev; \
+	  elif command -v pacman >/dev/null 2>&1; then pacman -S --noconfirm --needed gtest; \
+	  fi || true; \
+	  [ -f /usr/include/gtest/gtest.h ] || echo "GoogleTest is not installed: the C++ suite's" \
+	    "build will download and build googletest 1.15.2 (CMake FetchContent)"; \
 	fi
 	touch $@
 

@@ -292,10 +292,13 @@ class KimiDeltaAttention(nn.Module):
         k = k.reshape(*lead, self.num_heads, self.head_k_dim)
         v = v.reshape(*lead, self.num_v_heads, self.head_v_dim)
         g = g.reshape(*lead, self.num_v_heads, self.head_k_dim)
-        if x.dtype in (torch.float16, torch.bfloat16) and not self._fla_may_run(x):
-            # The op computes in fp32 whatever its input dtype; giving it fp32 inputs returns its
-            # fp32 output, which stays fp32 until the fp32 RMSNorm (an fp16 rounding of o before
-            # the norm overflows for large states). FLA keeps the activation dtype, as FLA's layer.
+        if q.dtype == torch.float16 and not self._fla_may_run(x):
+            # The op computes in fp32 whatever its input dtype and returns o in q's dtype: fp16
+            # inputs go in as fp32, so that o stays fp32 until the fp32 RMSNorm (an fp16 rounding
+            # of o before the norm overflows for large states). bf16 has fp32's range: bf16
+            # inputs go in as they are (half the bytes read; on CPUs with AMX `backend="auto"`
+            # can pick the chunk kernel's bf16 products, which the rule grants bf16 inputs only),
+            # as FLA's layer keeps the activation dtype.
             q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
 
         op_args = dict(

@@ -374,6 +374,12 @@ def test_short_conv_matches_conv1d_and_continues_from_cache():
         assert torch.equal(sp[i], si[0])
 
 
+@pytest.mark.parametrize("eps", [0.0, -1e-5, float("inf"), float("nan"), "1e-5", True])
+def test_gated_rmsnorm_rejects_an_eps_that_is_not_a_finite_positive_number(eps):
+    with pytest.raises(ValueError, match=r"GatedRMSNorm: eps: expected a finite number > 0"):
+        GatedRMSNorm(12, eps=eps)
+
+
 def test_gated_rmsnorm_formula_and_fp32_arithmetic():
     norm = GatedRMSNorm(12, eps=1e-5)
     with torch.no_grad():
@@ -411,6 +417,48 @@ def test_fp32_params_with_bf16_activations(backend):
     assert rel_err(ya, y32) < 3e-2
 
 
+@pytest.mark.parametrize("decoding", [False, True])
+@pytest.mark.parametrize(
+    "act, autocast, op_dtype",
+    [
+        (torch.bfloat16, None, torch.bfloat16),  # bf16 has fp32's range: the op takes it as it is
+        (torch.float32, torch.bfloat16, torch.bfloat16),
+        (torch.float16, None, torch.float32),  # fp16: widened, o fp32 until the RMSNorm
+        (torch.float32, torch.float16, torch.float32),
+    ],
+)
+def test_the_op_gets_bf16_activations_as_they_are_and_fp16_ones_widened(
+        monkeypatch, decoding, act, autocast, op_dtype):
+    """With bf16 activations the op (and ``backend="auto"``'s rule, which grants the chunk
+    kernel's AMX products to bf16 inputs only) sees bf16 q, k, v, g, beta; fp16 ones, with or
+    without autocast, reach it as fp32 (an fp16 o would overflow before the norm). Both ops: the
+    chunk op under autograd, the recurrent one for short inputs in inference."""
+    seen = []
+    for name in ("chunk_kda", "fused_recurrent_kda"):
+        real = getattr(torch_kda, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append((_name, *(kwargs[n].dtype for n in ("q", "k", "v", "g", "beta"))))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch_kda, name, spy)
+    layer = make_layer("reference", seed=82, dtype=torch.float32)
+    expected = copy_layer(layer, "reference").double()
+    if decoding:
+        layer.eval()
+    if act != torch.float32:
+        layer = layer.to(act)
+    x = rand((1, 20, 32), seed=83, dtype=act)
+    with torch.set_grad_enabled(not decoding), torch.autocast(
+            "cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        y = layer(x)
+    op = "fused_recurrent_kda" if decoding else "chunk_kda"
+    assert seen == [(op,) + (op_dtype,) * 5]
+    assert y.dtype == (act if autocast is None else autocast)
+    with torch.no_grad():
+        assert rel_err(y, expected(x.double())) < 3e-2
+
+
 # --------------------------------------------------------------------------------------------
 # Config, build, backends, lazy imports
 # --------------------------------------------------------------------------------------------
@@ -433,6 +481,8 @@ def test_fp32_params_with_bf16_activations(backend):
         (dict(backend="fla", chunk_size=16), "chunk_size"),
         (dict(chunk_size=0), "chunk_size"),
         (dict(norm_eps=0.0), "norm_eps"),
+        (dict(norm_eps=float("inf")), "norm_eps"),  # would zero every output
+        (dict(expand_v=float("inf")), "expand_v"),
         (dict(use_short_conv=1), "use_short_conv"),
     ],
 )
@@ -488,19 +538,23 @@ def test_building_and_running_native_layer_never_imports_fla():
 # Hugging Face Kimi-Linear converter (transformers ships models/kimi_linear)
 # --------------------------------------------------------------------------------------------
 
-def _hf_modeling(monkeypatch):
-    """Import transformers' Kimi-Linear modeling with its pure-PyTorch KDA path: the module picks
-    FLA's kernels at import time when ``fla`` imports, and those need a GPU."""
+@pytest.fixture
+def hf_modeling():
+    """transformers' Kimi-Linear modeling with its pure-PyTorch KDA path: the module picks FLA's
+    kernels at import time when ``fla`` imports, and those need a GPU. Imported with ``fla``
+    blocked, and imported again afterwards with it: other tests' models (their classes read the
+    module's globals) expect what transformers binds by default."""
     name = "transformers.models.kimi_linear.modeling_kimi_linear"
-    for blocked in ("fla", "causal_conv1d"):
-        monkeypatch.setitem(sys.modules, blocked, None)
-    if name in sys.modules:
-        return importlib.reload(sys.modules[name])
-    return importlib.import_module(name)
+    with pytest.MonkeyPatch.context() as mp:
+        for blocked in ("fla", "causal_conv1d"):
+            mp.setitem(sys.modules, blocked, None)
+        mod = importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+    yield mod
+    importlib.reload(mod)
 
 
-def test_hf_kimi_linear_converter_matches_transformers_layer(monkeypatch):
-    mod = _hf_modeling(monkeypatch)
+def test_hf_kimi_linear_converter_matches_transformers_layer(hf_modeling):
+    mod = hf_modeling
     from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 
     cfg = KimiLinearConfig(hidden_size=32, linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4,

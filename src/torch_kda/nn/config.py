@@ -60,7 +60,7 @@ class KDAConfig:
         conv_size: short convolution kernel width W (> 0).
         conv_bias: bias in the short convolutions.
         layer_idx: index of the layer in a model (informational, as in FLA).
-        norm_eps: epsilon of the gated output RMSNorm (> 0).
+        norm_eps: epsilon of the gated output RMSNorm (finite, > 0).
         backend: ``"auto"``, ``"native"``, ``"reference"`` or ``"fla"`` (see
             :func:`torch_kda.chunk_kda`). ``"fla"`` needs CUDA and flash-linear-attention.
         chunk_size: chunk length of the chunkwise op (> 0; 32 or 64 for ``"fla"``).
@@ -96,8 +96,8 @@ class KDAConfig:
             raise _bad("num_v_heads", "a positive int or None", self.num_v_heads)
         if self.num_v_heads is not None and self.num_v_heads % self.num_heads != 0:
             raise _bad("num_v_heads", f"a multiple of num_heads={self.num_heads}", self.num_v_heads)
-        if not _is_real(self.expand_v) or not self.expand_v > 0:
-            raise _bad("expand_v", "a positive number", self.expand_v)
+        if not _is_real(self.expand_v) or not (self.expand_v > 0 and math.isfinite(self.expand_v)):
+            raise _bad("expand_v", "a positive finite number", self.expand_v)
         head_v = self.head_dim * self.expand_v
         if not math.isclose(head_v, round(head_v), rel_tol=1e-5) or round(head_v) <= 0:
             raise _bad(
@@ -117,8 +117,8 @@ class KDAConfig:
                 raise _bad("lower_bound", "None or a finite number < 0", self.lower_bound)
         if self.safe_gate and (self.lower_bound is None or not (-5 <= self.lower_bound < 0)):
             raise _bad("lower_bound", "-5 <= lower_bound < 0 because safe_gate=True", self.lower_bound)
-        if not _is_real(self.norm_eps) or not self.norm_eps > 0:
-            raise _bad("norm_eps", "a positive number", self.norm_eps)
+        if not _is_real(self.norm_eps) or not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
+            raise _bad("norm_eps", "a positive finite number", self.norm_eps)
         if self.layer_idx is not None and not _is_int(self.layer_idx):
             raise _bad("layer_idx", "an int or None", self.layer_idx)
         if self.backend == "fla" and self.chunk_size not in (32, 64):

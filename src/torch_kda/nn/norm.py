@@ -7,6 +7,8 @@ the Kimi Linear report (arXiv 2510.26692, output gate): normalise, scale, then g
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -21,9 +23,12 @@ class GatedRMSNorm(nn.Module):
 
     Args:
         hidden_size: D, the normalised (last) axis.
-        eps: added to the mean square (> 0).
+        eps: added to the mean square (finite, > 0).
         elementwise_affine: learn ``weight [D]`` (ones at init).
         device, dtype: for the parameter.
+
+    Raises:
+        ValueError: ``eps`` not a finite number > 0 (an infinite one would zero every output).
     """
 
     def __init__(
@@ -35,6 +40,8 @@ class GatedRMSNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
+            raise ValueError(f"GatedRMSNorm: eps: expected a finite number > 0, got {eps!r}")
         self.hidden_size = hidden_size
         self.eps = eps
         self.activation = "sigmoid"

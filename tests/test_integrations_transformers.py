@@ -159,7 +159,45 @@ def test_hf_command_compares_both_paths_saves_and_reloads(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["hf", "--model", str(tmp_path / "missing")])
     assert exc.value.code == 2
+    # a model without a KDA layer (saved from transformers itself) is a usage error too
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    KimiLinearForCausalLM(KimiLinearConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
+        num_key_value_heads=1, kv_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        linear_num_heads=2, linear_head_dim=16, layer_types=["full_attention"],
+        mlp_layer_types=["dense"], pad_token_id=0, bos_token_id=1, eos_token_id=2)).save_pretrained(tmp_path / "mla_only")
+    with pytest.raises(SystemExit) as exc:
+        main(["hf", "--model", str(tmp_path / "mla_only")])
+    assert exc.value.code == 2
+    assert "no KDA (linear_attention) layer" in capsys.readouterr().err
     # --bench: the same measurements plus a training step and the KDA calls' time inside the model
     assert main(["hf", "--bench", *tiny]) == 0
     out = capsys.readouterr().out
     assert "| prefill (s)" in out and "| decode (ms/token)" in out and "| train (s)" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--layers", "1"], "--layers: expected an integer >= 2 (one KDA layer besides the full-attention one), got 1"),
+        (["--vocab-size", "3"], "--vocab-size: expected an integer >= 4 (ids 0-2 are the special tokens), got 3"),
+        (["--save", "{file}"], "--save: expected a folder, got an existing file"),
+    ],
+)
+def test_hf_command_refuses_bad_sizes_and_a_save_path_that_is_a_file_before_any_work(
+        tmp_path, capsys, args, message):
+    """Exit status 2 with a usage message, never a traceback (status 1 means "the paths
+    disagree") nor a "saved" for a save that did not happen."""
+    from torch_kda.__main__ import main
+
+    file = tmp_path / "afile"
+    file.write_bytes(b"")
+    args = [a.format(file=file) for a in args]
+    with pytest.raises(SystemExit) as exc:
+        main(["hf", "--hidden-size", "64", "--kda-heads", "2", "--head-dim", "16", "--vocab-size", "128",
+              "--prompt-len", "8", "--new-tokens", "2", "--reps", "1", *args])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert message in err and "saved" not in out
+    assert file.read_bytes() == b""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["UsageError", "MissingExtra", "positive_int", "positive_float", "require_extra", "output_dir",
+__all__ = ["UsageError", "MissingExtra", "positive_int", "int_at_least", "positive_float", "require_extra", "output_dir",
            "busy_machine_threads"]
 
 
@@ -35,6 +35,22 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def int_at_least(low: int, why: str):
+    """argparse type: an integer >= ``low`` (else ``ArgumentTypeError`` naming ``why``, exit
+    status 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low} ({why}), got {value}")
+        return value
+
+    return parse
 
 
 def positive_float(text: str) -> float:

@@ -27,7 +27,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .common import MissingExtra, UsageError, busy_machine_threads, positive_int
+from .common import MissingExtra, UsageError, busy_machine_threads, int_at_least, output_dir, positive_int
 
 __all__ = ["add_arguments", "run", "build_model"]
 
@@ -44,11 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens T of the prefill (default 512; --bench 2048)")
     p.add_argument("--new-tokens", type=positive_int, default=32, help="greedy tokens to generate (default 32)")
     p.add_argument("--hidden-size", type=positive_int, default=None, help="model width (default 512; --bench 1024)")
-    p.add_argument("--layers", type=positive_int, default=4,
-                   help="decoder layers; every 4th (the last if fewer than 4) is full attention (MLA), the rest KDA (default 4)")
+    p.add_argument("--layers", type=int_at_least(2, "one KDA layer besides the full-attention one"), default=4,
+                   help="decoder layers, at least 2; every 4th (the last if fewer than 4) is full attention (MLA), "
+                        "the rest KDA (default 4)")
     p.add_argument("--kda-heads", type=positive_int, default=4, help="KDA heads (default 4)")
     p.add_argument("--head-dim", type=positive_int, default=128, help="KDA head size K = V (default 128)")
-    p.add_argument("--vocab-size", type=positive_int, default=4096, help="vocabulary (default 4096)")
+    p.add_argument("--vocab-size", type=int_at_least(4, "ids 0-2 are the special tokens"), default=4096,
+                   help="vocabulary, at least 4 (default 4096)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="model dtype (default fp32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompt (default 0)")
     p.add_argument("--reps", type=positive_int, default=None,
@@ -131,6 +133,9 @@ def _route(model, impl: str):
 
 def _load_or_build(args: argparse.Namespace, hidden: int):
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    # --save's folder made and checked before the model is built (an existing file or an
+    # unwritable place is a usage error, not a "saved" that did not happen)
+    save_dir = output_dir(args.save, "--save") if args.save else None
     if args.model:
         from transformers import KimiLinearForCausalLM
 
@@ -140,10 +145,12 @@ def _load_or_build(args: argparse.Namespace, hidden: int):
             model = KimiLinearForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
         except (OSError, ValueError) as exc:
             raise UsageError(f"--model {args.model}: cannot load a KimiLinearForCausalLM: {exc}") from exc
+        if "linear_attention" not in (getattr(model.config, "layer_types", None) or ()):
+            raise UsageError(f"--model {args.model}: the model has no KDA (linear_attention) layer to compare")
     else:
         model = build_model(hidden, args.layers, args.kda_heads, args.head_dim, args.vocab_size, args.seed, dtype)
     if args.save:
-        model.save_pretrained(args.save)
+        model.save_pretrained(save_dir)
         print(f"saved the model to {args.save} (reload with --model {args.save})")
     return model
 
@@ -163,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         MissingExtra: transformers is not installed (exit status 1).
-        UsageError: a bad ``--model`` (exit status 2).
+        UsageError: a bad ``--model`` (not loadable, or without a KDA layer) or ``--save`` (an
+            existing file, or a folder that cannot be written) (exit status 2).
     """
     try:
         import transformers  # noqa: F401

@@ -269,3 +269,23 @@ def test_bench_prints_every_backend_and_writes_the_plot(tmp_path):
     results = json.loads((out / "bench.json").read_text())["results"]
     assert {r["backend"] for r in results if r["kind"] == "time"} == set(expected)
     assert (out / "bench.md").read_text().strip() in text
+
+
+@pytest.mark.parametrize("main_name", ["chunk_main", "overhead_main"])
+def test_benchmark_json_path_is_checked_before_the_measurements(tmp_path, capsys, monkeypatch, main_name):
+    """``python -m torch_kda.benchmark chunk|overhead --json PATH``: a folder, or a file in a
+    folder that does not exist, stops the command at parsing (exit status 2), before minutes of
+    measurements that could then not be written."""
+    from torch_kda import benchmark
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("measured before checking --json")
+
+    monkeypatch.setattr(benchmark, "overhead_rows", no_work)
+    monkeypatch.setattr(benchmark, "machine_info", no_work)
+    for bad, message in ((tmp_path, "expected a file path, got the folder"),
+                         (tmp_path / "missing" / "r.json", "does not exist")):
+        with pytest.raises(SystemExit) as exc:
+            getattr(benchmark, main_name)(["--json", str(bad)])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err

@@ -751,6 +751,18 @@ def header_line(command: str, info: dict, wall_s: float) -> str:
             f"wall {wall_s:.0f} s")
 
 
+def output_file(text: str) -> str:
+    """argparse type of an output file (``--json``): not a folder, in a folder that exists, so
+    that a bad path stops the command before its minutes of measurements, not after them."""
+    import argparse
+
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a file path, got the folder {text!r}")
+    if not os.path.isdir(os.path.dirname(text) or "."):
+        raise argparse.ArgumentTypeError(f"the folder of {text!r} does not exist")
+    return text
+
+
 def publish(text: str, out_md: Optional[str] = None, out_json: Optional[str] = None,
             payload: Optional[dict] = None) -> None:
     """Print a report's markdown ``text``; write it to ``out_md`` and ``payload`` as JSON to
@@ -1142,7 +1154,7 @@ def overhead_main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--blocks", type=int, default=60, help="paired blocks (default 60)")
     p.add_argument("--calls", type=int, default=40, help="calls per block (default 40)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_file, default=None, help="also write the rows as JSON")
     args = p.parse_args(argv)
     info = machine_info()
     start = time.perf_counter()
@@ -1262,7 +1274,7 @@ def chunk_main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     p.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
     p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_file, default=None, help="also write the rows as JSON")
     args = p.parse_args(argv)
     seq_lens = args.seq_lens or (CHUNK_QUICK_SEQ_LENS if args.quick else CHUNK_SEQ_LENS)
     reps = args.reps or (3 if args.quick else 5)

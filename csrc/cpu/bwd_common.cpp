@@ -218,7 +218,8 @@ InputGrads empty_input_grads(const Dims& d, const Inputs& in, const Config& cfg)
   return o;
 }
 
-// The chain rule (chain_rule_tokens) over the rows of one token block: C's block arrays
+// The chain rule (chain_rule_tokens) over the rows [b0, e0) of one token block, on the calling
+// thread: C's block arrays
 // (partials, rnorms, khat, gate values, beta; BT = the block's row stride) are read at the row,
 // G's arrays at the global token (row + shift[n]); q or g at the row too when q_in_block /
 // g_in_block (block buffers of widened 16-bit inputs).
@@ -230,9 +231,10 @@ struct ChainGlobals {
   T *dq = nullptr, *dk = nullptr, *dg = nullptr, *dbeta = nullptr, *dA_rows = nullptr;
 };
 template <typename T>
-void chain_rule_rows(const ChainArgs<T>& C, const BlockRows& rows, const ChainGlobals<T>& G) {
+void chain_rule_rows(const ChainArgs<T>& C, const BlockRows& rows, const ChainGlobals<T>& G,
+                     int64_t b0, int64_t e0) {
   const int64_t H = C.H, HV = C.HV, K = C.K;
-  parallel_block_rows(rows, [&](int64_t n, int64_t b, int64_t stop) {
+  for_block_rows(rows, b0, e0, [&](int64_t n, int64_t b, int64_t stop) {
     const int64_t sh = rows.shift[n];
     ChainArgs<T> Cn = C;
     if (G.q) Cn.q = G.q + (G.q_in_block ? 0 : sh) * H * K;
@@ -353,134 +355,218 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
   }
   nb = std::max<int64_t>(1, nb);
 
-  // The block workspace: pre-processed rows, chain-rule inputs, per-group partials. From the
-  // output cache (csrc/cpu/output_cache.h), as the forward's: glibc hands heap blocks of a few MB
-  // back to the system when it trims its heap, and the next call faulted them in again.
-  const at::Tensor ws_q = empty_output({H, nb, K}, opts), ws_k = empty_output({H, nb, K}, opts);
-  const at::Tensor ws_a = empty_output({HV, nb, K}, opts);
-  at::Tensor ws_ak;
-  if (kernel.with_ak) ws_ak = empty_output({HV, nb, K}, opts);
-  const at::Tensor ws_b = empty_output({HV, nb}, opts);
-  at::Tensor ws_qr, ws_kr, ws_g, ws_s;
-  if (l2) ws_qr = empty_output({nb, H}, opts), ws_kr = empty_output({nb, H}, opts);
-  if (gate) {
-    ws_s = empty_output({nb, HV, K}, opts);
-    if (!cfg.lower_bound) ws_g = empty_output({nb, HV, K}, opts);  // the softplus gate's log decay
-  }
-  const at::Tensor dq_p = empty_output({groups, nb, HV, K}, opts);
-  const at::Tensor dk_p = empty_output({groups, nb, HV, K}, opts);
-  const at::Tensor dg_p = empty_output({groups, nb, HV, K}, opts);
-  const at::Tensor db_p = empty_output({groups, nb, HV}, opts);
-  // Block buffers of the widened inputs (rows of the block, as the pre-processed arrays), parts
-  // of one block of the output cache: each alone is often under its 1 MB threshold (512 KB at
-  // H16), and glibc mapped and unmapped such blocks call after call (~1.4K faults at T8K H16).
+  // A block's workspace: its rows, pre-processed rows and chain-rule inputs, per-group partials,
+  // block buffers of the widened inputs, and the pass's, kernel's and chain rule's arguments on
+  // them. From the output cache (csrc/cpu/output_cache.h), as the forward's: glibc hands heap
+  // blocks of a few MB back to the system when it trims its heap, and the next call faulted them
+  // in again. The block buffers are parts of one block of the cache: each alone is often under
+  // its 1 MB threshold (512 KB at H16), and glibc mapped and unmapped such blocks call after call
+  // (~1.4K faults at T8K H16).
+  struct Workspace {
+    explicit Workspace(int64_t N) : rows(N), re(N) {}
+    BlockRows rows;
+    std::vector<int64_t> re;
+    std::vector<at::Tensor> buffers;  // (owned here; the arguments point into them)
+    at::Tensor q_w, g_w, v_w, do_w;   // block buffers (empty when not used)
+    kernels::PrepArgs<T> P;
+    kernels::BwdArgs<T> A;
+    ChainArgs<T> C;
+    ChainGlobals<T> G;
+  };
   const int64_t q_cols = q_block ? H * K : 0, g_cols = g_block ? HV * K : 0;
   const int64_t vo_cols = vo_block ? HV * d.V : 0;
-  const at::Tensor in_ws = empty_output({nb * (q_cols + g_cols + 2 * vo_cols)}, opts);
-  int64_t in_off = 0;
-  auto part = [&](int64_t cols) {
-    at::Tensor t = in_ws.narrow(0, in_off, nb * cols).view({nb, cols});
-    in_off += nb * cols;
-    return t;
-  };
-  const at::Tensor q_w = part(q_cols), g_w = part(g_cols), v_w = part(vo_cols), do_w = part(vo_cols);
   auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; };
+  auto make_workspace = [&]() {
+    auto W = std::make_unique<Workspace>(d.N);
+    auto buffer = [&](at::IntArrayRef sizes) -> T* {
+      W->buffers.push_back(empty_output(sizes, opts));
+      return ptr(W->buffers.back());
+    };
+    const at::Tensor in_ws = empty_output({nb * (q_cols + g_cols + 2 * vo_cols)}, opts);
+    W->buffers.push_back(in_ws);
+    int64_t in_off = 0;
+    auto part = [&](int64_t cols) {
+      at::Tensor t = in_ws.narrow(0, in_off, nb * cols).view({nb, cols});
+      in_off += nb * cols;
+      return t;
+    };
+    W->q_w = part(q_cols), W->g_w = part(g_cols), W->v_w = part(vo_cols);
+    W->do_w = part(vo_cols);
 
-  kernels::PrepArgs<T> P = block_prep_args<T>(cfg, d, nb, q_c, k_c, g_c, b_c, gate_p);
-  P.q_out = ws_q.data_ptr<T>();
-  P.k_out = ws_k.data_ptr<T>();
-  P.a_out = ws_a.data_ptr<T>();
-  P.ak_out = ptr(ws_ak);
-  P.beta_out = ws_b.data_ptr<T>();
-  P.q_rnorm = ptr(ws_qr);
-  P.k_rnorm = ptr(ws_kr);
-  P.g_out = ptr(ws_g);
-  P.s_out = ptr(ws_s);
+    kernels::PrepArgs<T>& P = W->P;
+    P = block_prep_args<T>(cfg, d, nb, q_c, k_c, g_c, b_c, gate_p);
+    P.q_out = buffer({H, nb, K});
+    P.k_out = buffer({H, nb, K});
+    P.a_out = buffer({HV, nb, K});
+    P.ak_out = kernel.with_ak ? buffer({HV, nb, K}) : nullptr;
+    P.beta_out = buffer({HV, nb});
+    P.q_rnorm = l2 ? buffer({nb, H}) : nullptr;
+    P.k_rnorm = l2 ? buffer({nb, H}) : nullptr;
+    P.s_out = gate ? buffer({nb, HV, K}) : nullptr;
+    // the softplus gate's log decay
+    P.g_out = gate && !cfg.lower_bound ? buffer({nb, HV, K}) : nullptr;
 
-  BlockRows rows(d.N);
-  std::vector<int64_t> re(d.N);
-  kernels::BwdArgs<T> A;
-  A.seqs = seq_info(seqs);
-  A.seqs.shift = rows.shift.data();
-  A.seqs.vo_shift = vo_block ? rows.shift.data() : nullptr;
-  point_at_block_rows(A, P, d);
-  A.v = vo_block ? v_w.data_ptr<T>() : v_in.data_ptr<T>();
-  A.h0 = ptr(s.h0);
-  A.ckpt = s.ckpt.numel() > 0 ? s.ckpt.data_ptr<T>() : nullptr;
-  A.dout = vo_block ? do_w.data_ptr<T>() : do_in.data_ptr<T>();
-  A.dht = ptr(s.dht);
-  A.dq = dq_p.data_ptr<T>();
-  A.dk = dk_p.data_ptr<T>();
-  A.dg = dg_p.data_ptr<T>();
-  A.dbeta = db_p.data_ptr<T>();
-  A.group_stride = nb * HV * K;
-  A.group_stride_beta = nb * HV;
-  A.dv = out.dv.data_ptr<T>();
-  A.dh0 = out.dh0.data_ptr<T>();
+    kernels::BwdArgs<T>& A = W->A;
+    A.seqs = seq_info(seqs);
+    A.seqs.shift = W->rows.shift.data();
+    A.seqs.vo_shift = vo_block ? W->rows.shift.data() : nullptr;
+    point_at_block_rows(A, P, d);
+    A.v = vo_block ? ptr(W->v_w) : v_in.data_ptr<T>();
+    A.h0 = ptr(s.h0);
+    A.ckpt = s.ckpt.numel() > 0 ? s.ckpt.data_ptr<T>() : nullptr;
+    A.dout = vo_block ? ptr(W->do_w) : do_in.data_ptr<T>();
+    A.dht = ptr(s.dht);
+    A.dq = buffer({groups, nb, HV, K});
+    A.dk = buffer({groups, nb, HV, K});
+    A.dg = buffer({groups, nb, HV, K});
+    A.dbeta = buffer({groups, nb, HV});
+    A.group_stride = nb * HV * K;
+    A.group_stride_beta = nb * HV;
+    A.dv = out.dv.data_ptr<T>();
+    A.dh0 = out.dh0.data_ptr<T>();
 
-  // The chain rule reads the block arrays at the row and the caller's arrays (raw q, the bounded
-  // gate's raw input; the outputs) at the global token: those pointers move by shift[n].
-  ChainArgs<T> Cb;
-  Cb.BT = nb;
-  Cb.H = H;
-  Cb.HV = HV;
-  Cb.K = K;
-  Cb.groups = groups;
-  Cb.dq_p = A.dq;
-  Cb.dk_p = A.dk;
-  Cb.dg_p = A.dg;
-  Cb.db_p = A.dbeta;
-  Cb.q_rnorm = P.q_rnorm;
-  Cb.k_hm = P.k_out;
-  Cb.k_rnorm = P.k_rnorm;
-  Cb.gate_s = P.s_out;
-  Cb.expA = P.expA;
-  Cb.bias = P.dt_bias;
-  Cb.beta = P.beta_out;
-  Cb.softplus = gate && !cfg.lower_bound;
-  Cb.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
-  Cb.scale = static_cast<T>(cfg.scale);
-  Cb.lower_bound = static_cast<T>(cfg.lower_bound.value_or(0.0));
-  Cb.beta_c = cfg.allow_neg_eigval ? T(2) : T(1);
-  Cb.g = P.g_out;  // the softplus gate's log decay (block rows)
-  ChainGlobals<T> G;
-  // Raw q (l2 norm) and the bounded gate's raw input: the caller's arrays, or block buffers.
-  G.q_in_block = q_block;
-  G.g_in_block = g_block;
-  if (l2) G.q = q_block ? q_w.data_ptr<T>() : q_c.data_ptr<T>();
-  if (gate && cfg.lower_bound) G.g = g_block ? g_w.data_ptr<T>() : g_c.data_ptr<T>();
-  G.dq = out.dq.data_ptr<T>();
-  G.dk = out.dk.data_ptr<T>();
-  G.dg = out.dg.data_ptr<T>();
-  G.dbeta = out.dbeta.data_ptr<T>();
-  G.dA_rows = ptr(out.dA_rows);
+    // The chain rule reads the block arrays at the row and the caller's arrays (raw q, the
+    // bounded gate's raw input; the outputs) at the global token: those pointers move by shift[n].
+    ChainArgs<T>& Cb = W->C;
+    Cb.BT = nb;
+    Cb.H = H;
+    Cb.HV = HV;
+    Cb.K = K;
+    Cb.groups = groups;
+    Cb.dq_p = A.dq;
+    Cb.dk_p = A.dk;
+    Cb.dg_p = A.dg;
+    Cb.db_p = A.dbeta;
+    Cb.q_rnorm = P.q_rnorm;
+    Cb.k_hm = P.k_out;
+    Cb.k_rnorm = P.k_rnorm;
+    Cb.gate_s = P.s_out;
+    Cb.expA = P.expA;
+    Cb.bias = P.dt_bias;
+    Cb.beta = P.beta_out;
+    Cb.softplus = gate && !cfg.lower_bound;
+    Cb.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
+    Cb.scale = static_cast<T>(cfg.scale);
+    Cb.lower_bound = static_cast<T>(cfg.lower_bound.value_or(0.0));
+    Cb.beta_c = cfg.allow_neg_eigval ? T(2) : T(1);
+    Cb.g = P.g_out;  // the softplus gate's log decay (block rows)
+    ChainGlobals<T>& G = W->G;
+    // Raw q (l2 norm) and the bounded gate's raw input: the caller's arrays, or block buffers.
+    G.q_in_block = q_block;
+    G.g_in_block = g_block;
+    if (l2) G.q = q_block ? ptr(W->q_w) : q_c.data_ptr<T>();
+    if (gate && cfg.lower_bound) G.g = g_block ? ptr(W->g_w) : g_c.data_ptr<T>();
+    G.dq = out.dq.data_ptr<T>();
+    G.dk = out.dk.data_ptr<T>();
+    G.dg = out.dg.data_ptr<T>();
+    G.dbeta = out.dbeta.data_ptr<T>();
+    G.dA_rows = ptr(out.dA_rows);
+    return W;
+  };
 
-  // Values outside the domain, gathered over all blocks and reported once at the end: the
-  // smallest index, as the forward reports it (raising at the first block that had one named an
-  // element that depended on where blocks start, so on the thread count).
-  FirstBad bad;
-  for (int64_t j = n_blocks - 1; j >= 0; --j) {
+  // Blocks run last first. For a kernel that takes side work, with several blocks and at least
+  // as many units as threads (more than one), three workspaces take turns: block j's units run in
+  // one parallel region beside the chain rule of block j + 1 (whose units ran in the region
+  // before) and the pre-processing of block j - 1 (whose units run in the region after), instead
+  // of three regions, each ending in a barrier of all threads, per block (recurrent backward,
+  // B1 T8K, 16 threads, 16-core host, session 17: H16 0.86-1.00x the time in fp32 (median 0.88x),
+  // 0.90-1.00x in bf16; H32 0.76-1.07x, median 0.92x; docs/benchmarks.md). The three blocks' rows, partials and buffers are apart,
+  // and each row is computed as in the sequential order: the same bits. Otherwise one workspace,
+  // the steps in turn: with fewer units than threads (B1 H4 at 16 threads: 4 units) the units ran
+  // 1.3-1.5x slower beside 12 threads streaming the side work, where alone in their region they
+  // kept the cache and the chip's clock to themselves.
+  const int64_t threads = at::get_num_threads();
+  const bool overlap = kernel.side_work && n_blocks > 1 && threads > 1 && kernel.units >= threads;
+  std::vector<std::unique_ptr<Workspace>> wss;
+  for (int w = 0; w < (overlap ? 3 : 1); ++w) wss.push_back(make_workspace());
+  auto ws_of = [&](int64_t j) -> Workspace& { return *wss[j % wss.size()]; };
+  // Block j's token range of every sequence (whole chunks), its rows in W, and its widened
+  // inputs (ATen copies, on this thread between the parallel regions).
+  auto set_block = [&](Workspace& W, int64_t j) {
+    BlockRows& rows = W.rows;
     int64_t used = 0;
     for (int64_t n = 0; n < d.N; ++n) {
       const int64_t ts = seqs.start[n], te = seqs.end[n], origin = seqs.origin[n];
       const int64_t c0 = cf[n] + j * cb;
       rows.rs[n] = std::clamp(origin + c0 * C, ts, te);
-      re[n] = std::clamp(origin + (c0 + cb) * C, ts, te);
+      W.re[n] = std::clamp(origin + (c0 + cb) * C, ts, te);
       rows.loc[n] = used;
       rows.shift[n] = rows.rs[n] - used;
-      used += re[n] - rows.rs[n];
+      used += W.re[n] - rows.rs[n];
     }
     rows.loc[d.N] = used;
-    if (q_block) copy_block_rows(q_w, q_c.reshape({BT, H * K}), rows);
-    if (g_block) copy_block_rows(g_w, g_c.reshape({BT, HV * K}), rows);
+    if (q_block) copy_block_rows(W.q_w, q_c.reshape({BT, H * K}), rows);
+    if (g_block) copy_block_rows(W.g_w, g_c.reshape({BT, HV * K}), rows);
     if (vo_block) {
-      copy_block_rows(v_w, v_in, rows);
-      copy_block_rows(do_w, do_in, rows);
+      copy_block_rows(W.v_w, v_in, rows);
+      copy_block_rows(W.do_w, do_in, rows);
     }
-    prep_block<T>(P, rows, /*shifted_inputs=*/false, bad);
-    kernel.run_block(A, rows.rs, re, j);
-    // The chain rule over the block's rows, written to the outputs at the global tokens.
-    chain_rule_rows<T>(Cb, rows, G);
+  };
+
+  // Values outside the domain, gathered over all blocks and reported once at the end: the
+  // smallest index, as the forward reports it (raising at the first block that had one named an
+  // element that depended on where blocks start, so on the thread count).
+  FirstBad bad;
+  // The pass and the chain rule over the rows [b, e) of W's block, on the calling thread.
+  auto prep = [&](const Workspace& W, int64_t b, int64_t e) {
+    prep_rows<T>(W.P, W.rows, /*shifted_inputs=*/false, b, e, bad);
+  };
+  auto chain = [&](const Workspace& W, int64_t b, int64_t e) {
+    chain_rule_rows<T>(W.C, W.rows, W.G, b, e);
+  };
+  // A pass (prep or chain) over W's rows in tasks of block_rows_grain rows.
+  struct RowTasks {
+    const Workspace* W = nullptr;
+    int64_t grain = 1, count = 0;
+  };
+  auto row_tasks = [](const Workspace* W) {
+    RowTasks r;
+    if (W) {
+      r.W = W;
+      r.grain = block_rows_grain(W->rows);
+      r.count = (W->rows.loc.back() + r.grain - 1) / r.grain;
+    }
+    return r;
+  };
+  auto run_task = [](const RowTasks& r, int64_t i, const auto& step) {
+    const int64_t b = i * r.grain;
+    step(*r.W, b, std::min(r.W->rows.loc.back(), b + r.grain));
+  };
+  auto in_parallel = [&](const Workspace& W, const auto& step) {
+    at::parallel_for(0, W.rows.loc.back(), block_rows_grain(W.rows),
+                     [&](int64_t b, int64_t e) { step(W, b, e); });
+  };
+
+  if (!overlap) {
+    Workspace& W = ws_of(0);
+    for (int64_t j = n_blocks - 1; j >= 0; --j) {
+      set_block(W, j);
+      in_parallel(W, prep);
+      kernel.run_block(W.A, W.rows.rs, W.re, j, SideWork{});
+      // The chain rule over the block's rows, written to the outputs at the global tokens.
+      in_parallel(W, chain);
+    }
+  } else {
+    set_block(ws_of(n_blocks - 1), n_blocks - 1);
+    in_parallel(ws_of(n_blocks - 1), prep);
+    for (int64_t j = n_blocks - 1; j >= 0; --j) {
+      // Beside block j's units: the chain rule of block j + 1, the pass of block j - 1.
+      if (j > 0) set_block(ws_of(j - 1), j - 1);
+      const RowTasks chains = row_tasks(j + 1 < n_blocks ? &ws_of(j + 1) : nullptr);
+      const RowTasks passes = row_tasks(j > 0 ? &ws_of(j - 1) : nullptr);
+      SideWork side;
+      side.tasks = chains.count + passes.count;
+      side.run = [&](int64_t i) {
+        if (i < chains.count) {
+          run_task(chains, i, chain);
+        } else {
+          run_task(passes, i - chains.count, prep);
+        }
+      };
+      Workspace& W = ws_of(j);
+      kernel.run_block(W.A, W.rows.rs, W.re, j, side);
+    }
+    in_parallel(ws_of(0), chain);
   }
   report_domain(bad, in, cfg, d);
 }

@@ -145,18 +145,12 @@ void for_block_rows(const BlockRows& rows, int64_t b, int64_t e, const F& f) {
     b = stop;
   }
 }
-// The rows per task of parallel_block_rows (and of the forward's pass beside the units): a few,
+// The rows per task of a pass over a block's rows (pre-processing, chain rule): a few,
 // so that every thread gets some of a short block.
 inline int64_t block_rows_grain(const BlockRows& rows) {
   const int64_t used = rows.loc.back();
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   return std::max<int64_t>(1, std::min<int64_t>(16, used / (4 * threads)));
-}
-// for_block_rows over all the used rows of a block, in parallel.
-template <typename F>
-void parallel_block_rows(const BlockRows& rows, const F& f) {
-  at::parallel_for(0, rows.loc.back(), block_rows_grain(rows),
-                   [&](int64_t b, int64_t e) { for_block_rows(rows, b, e, f); });
 }
 // Pre-processes the rows of a token block (kernels' prep_tokens, in parallel over rows) into P's
 // outputs at the rows' local index; the inputs are read at the local index too with
@@ -241,13 +235,58 @@ struct BlockPrep {
   kernels::PrepArgs<T> P;
   bool shifted_inputs = false;
 };
-// Work the runner of block j runs in its parallel region beside the block's units, in any
-// order and on any thread: the pre-processing of block j + 1 (BlockKernel::kRecurrent), tasks
-// 0 .. tasks - 1 through run(i). None for the last block and for the chunk kernel.
+// Work a block's runner runs in its parallel region beside the block's units, in any order and
+// on any thread, tasks 0 .. tasks - 1 through run(i): in the forward the pre-processing of block
+// j + 1 (BlockKernel::kRecurrent; none for the last block and for the chunk kernel), in the
+// backward the chain rule of the block before and the pre-processing of the block after.
 struct SideWork {
   int64_t tasks = 0;
   std::function<void(int64_t)> run;
 };
+// Runs a token block's units 0 .. units - 1 and the side work in one parallel region.
+// body(take) runs once per task of at::parallel_for (per-thread set-up goes there) and calls
+// unit u for each u that take(u) hands out until it returns false. Without side work the units
+// are split statically over the threads (at::parallel_for, grain 1). With side work, units and
+// side tasks come from two shared counters, one task per thread. With kSideEvery threads or
+// more and at least two units per thread, one thread in kSideEvery takes side tasks first and
+// the others units, each turning to the other kind when its own runs out: the side work is
+// memory-bound (the forward's pass ran at a fifth of its one-thread speed per thread with all 16
+// threads on it) and its threads read memory while the others compute (16-core host: 1.1-1.3x
+// for the forward at H16 / H32, the backward at H32). Otherwise every thread takes units first
+// and the side work fills the tail: a side-first thread that joins the units late ends the block
+// late when each thread has one or two long units (the backward at H16 with 16 threads, one
+// unit each: up to 1.15x slower; B1 H4 with 2 threads: up to 1.3x on the 2-core box). Inside
+// another parallel region everything runs on the calling thread, units first. Which thread runs
+// a unit or a task never changes what it computes.
+template <typename Body>
+void run_units_beside(int64_t units, const SideWork& side, const Body& body) {
+  if (side.tasks == 0) {
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      int64_t next = begin;
+      body([&](int64_t& u) {
+        u = next++;
+        return u < end;
+      });
+    });
+    return;
+  }
+  constexpr int64_t kSideEvery = 8;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const bool side_first_threads =
+      threads >= kSideEvery && units >= 2 * threads && !at::in_parallel_region();
+  std::atomic<int64_t> next_unit{0}, next_side{0};
+  at::parallel_for(0, threads, 1, [&](int64_t task, int64_t) {
+    auto side_left = [&] {
+      for (int64_t i = next_side++; i < side.tasks; i = next_side++) side.run(i);
+    };
+    if (side_first_threads && task % kSideEvery == 0) side_left();
+    body([&](int64_t& u) {
+      u = next_unit++;
+      return u < units;
+    });
+    side_left();
+  });
+}
 template <typename T>
 using BlockRunner =
     std::function<void(const kernels::FwdArgs<T>& A, const BlockPrep<T>& prep,
@@ -309,10 +348,12 @@ std::vector<at::Tensor> run_backward(const at::Tensor& d_o,
 template <typename T>
 struct BwdBlockKernel {
   int64_t groups = 1;    // partial sums per value head (the units' column groups)
+  int64_t units = 1;     // units per block (sequences x value heads x groups)
   bool with_ak = false;  // the rows include a * khat (A.ak)
+  bool side_work = false;  // run_block may get the neighbour blocks' passes (run_bwd_blocked)
   std::function<void(const kernels::BwdArgs<T>& A, const std::vector<int64_t>& rs,
-                     const std::vector<int64_t>& re, int64_t j)>
-      run_block;
+                     const std::vector<int64_t>& re, int64_t j, const SideWork& side)>
+      run_block;  // the units through run_units_beside (side: none unless side_work)
 };
 template <typename T>
 void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,

@@ -56,11 +56,13 @@ void run_recurrent_bwd(const Inputs& in, const Config& cfg, const BwdSetup& s,
   kernel.groups = n_groups(d, n_slices);
   kernel.with_ak = true;
   const int64_t groups = kernel.groups, units = d.N * HV * groups;
+  kernel.units = units;
+  kernel.side_work = true;
   kernel.run_block = [&](const kernels::BwdArgs<T>& A, const std::vector<int64_t>& rs,
-                         const std::vector<int64_t>& re, int64_t j) {
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+                         const std::vector<int64_t>& re, int64_t j, const SideWork& side) {
+    run_units_beside(units, side, [&](const auto& take) {
       T* ws = ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * ws_stride;
-      for (int64_t u = begin; u < end; ++u) {
+      for (int64_t u; take(u);) {
         const int64_t g = u % groups;
         const int64_t hv = (u / groups) % HV;
         const int64_t n = u / (groups * HV);

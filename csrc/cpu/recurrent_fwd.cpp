@@ -506,39 +506,9 @@ void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Seq
       T* ws = ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * ws_stride;
       fwd(A, n, hv, gi * n_slices / groups, (gi + 1) * n_slices / groups, rs[n], re[n], ws);
     };
-    if (side.tasks == 0) {
-      at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t u = begin; u < end; ++u) unit(u);
-      });
-      return;
-    }
-    // The units and the next block's pass from two shared counters, one task per thread. With
-    // kSideEvery threads or more, one thread in kSideEvery takes the pass's tasks first and the
-    // others the units, each turning to the other kind when its own runs out: the pass (about a
-    // fifth of the one-thread work) is bound by memory there, and its threads read memory while
-    // the others compute (16-core host: 1.1-1.2x at H16 / H32). With fewer threads every thread
-    // takes units first and the pass fills the tail: a pass-first thread joined the units late,
-    // and with a few long units per thread (B1 H4, 2 threads: 2 each) ended its block up to 30%
-    // later on the 2-core box. Inside another parallel region the tasks run one after the other,
-    // units first, so that the next block's rows are made right before its units read them.
-    // Units and passes write disjoint rows and compute the same bits on any thread.
-    constexpr int64_t kSideEvery = 8;
-    const bool pass_first_threads = threads >= kSideEvery && !at::in_parallel_region();
-    std::atomic<int64_t> next_unit{0}, next_side{0};
-    at::parallel_for(0, threads, 1, [&](int64_t task, int64_t) {
-      auto units_left = [&] {
-        for (int64_t u = next_unit++; u < units; u = next_unit++) unit(u);
-      };
-      auto side_left = [&] {
-        for (int64_t i = next_side++; i < side.tasks; i = next_side++) side.run(i);
-      };
-      if (pass_first_threads && task % kSideEvery == 0) {
-        side_left();
-        units_left();
-      } else {
-        units_left();
-        side_left();
-      }
+    // The units and the next block's pass in one parallel region (the pass writes other rows).
+    run_units_beside(units, side, [&](const auto& take) {
+      for (int64_t u; take(u);) unit(u);
     });
   });
 }

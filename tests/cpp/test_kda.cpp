@@ -309,9 +309,11 @@ TEST_P(Forms, BitwiseIdenticalForOneAndTwoThreads) {
 }
 
 // Inside another parallel region at::parallel_for runs its tasks one after the other on the
-// calling thread: the chunk forward's tasks (one per thread, handing work to each other) and the
+// calling thread: the chunk forward's tasks (one per thread, handing work to each other), the
 // recurrent forward's (its units beside the next token block's pre-processing; T spans three of
-// its 4096-token blocks) must still finish, with the bits of a top-level call.
+// its 4096-token blocks) and the recurrent backward's (a block's units beside the chain rule of
+// the block after it and the pre-processing of the block before it; three blocks here too) must
+// still finish, with the bits of a top-level call.
 TEST_P(Forms, NestedInAParallelRegionMatchesTopLevel) {
   Problem p;
   p.B = 2;
@@ -319,20 +321,30 @@ TEST_P(Forms, NestedInAParallelRegionMatchesTopLevel) {
   p.dtype = at::kFloat;
   const Data d = make_data(p, 10);
   const auto o = full_options(d);
+  const Tensor w = at::randn({p.B, p.T, p.HV, p.V}, at::TensorOptions().dtype(p.dtype));
+  // Output, final state and the gradients w.r.t. q, k, v, g.
+  auto run = [&]() {
+    std::vector<Tensor> x = {d.q.clone().requires_grad_(true), d.k.clone().requires_grad_(true),
+                             d.v.clone().requires_grad_(true), d.g.clone().requires_grad_(true)};
+    auto [out, st] = kda_op(x[0], x[1], x[2], x[3], d.beta, o);
+    std::vector<Tensor> r = torch::autograd::grad({(out * w).sum() + st.sum()}, x);
+    r.push_back(out.detach());
+    r.push_back(st.detach());
+    return r;
+  };
   const int before = at::get_num_threads();
   at::set_num_threads(4);
-  auto [ref, ref_st] = kda_op(d.q, d.k, d.v, d.g, d.beta, o);
-  std::vector<Tensor> outs(2), states(2);
+  const std::vector<Tensor> ref = run();
+  std::vector<std::vector<Tensor>> nested(2);
   at::parallel_for(0, 2, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      at::NoGradGuard no_grad;
-      std::tie(outs[i], states[i]) = kda_op(d.q, d.k, d.v, d.g, d.beta, o);
-    }
+    for (int64_t i = b; i < e; ++i) nested[i] = run();
   });
   at::set_num_threads(before);
   for (int i = 0; i < 2; ++i) {
-    EXPECT_TRUE(at::equal(outs[i], ref)) << "call " << i;
-    EXPECT_TRUE(at::equal(states[i], ref_st)) << "call " << i;
+    ASSERT_EQ(nested[i].size(), ref.size());
+    for (size_t j = 0; j < ref.size(); ++j) {
+      EXPECT_TRUE(at::equal(nested[i][j], ref[j])) << "call " << i << ", tensor " << j;
+    }
   }
 }
 

@@ -464,8 +464,8 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
     return W;
   };
 
-  // Blocks run last first. For a kernel that takes side work, with several blocks and at least
-  // as many units as threads (more than one), three workspaces take turns: block j's units run in
+  // Blocks run last first. For a kernel that takes side work, with several blocks, 8 threads or
+  // more and at least as many units as threads, three workspaces take turns: block j's units run in
   // one parallel region beside the chain rule of block j + 1 (whose units ran in the region
   // before) and the pre-processing of block j - 1 (whose units run in the region after), instead
   // of three regions, each ending in a barrier of all threads, per block (recurrent backward,
@@ -474,9 +474,12 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
   // and each row is computed as in the sequential order: the same bits. Otherwise one workspace,
   // the steps in turn: with fewer units than threads (B1 H4 at 16 threads: 4 units) the units ran
   // 1.3-1.5x slower beside 12 threads streaming the side work, where alone in their region they
-  // kept the cache and the chip's clock to themselves.
+  // kept the cache and the chip's clock to themselves; with 2 threads (2-core box, B1 T8K H4 /
+  // H16) the overlap read 0.81-1.68x the time, median 1.03x: no gain where few barriers are saved.
+  constexpr int64_t kOverlapMinThreads = 8;
   const int64_t threads = at::get_num_threads();
-  const bool overlap = kernel.side_work && n_blocks > 1 && threads > 1 && kernel.units >= threads;
+  const bool overlap = kernel.side_work && n_blocks > 1 && threads >= kOverlapMinThreads &&
+                       kernel.units >= threads;
   std::vector<std::unique_ptr<Workspace>> wss;
   for (int w = 0; w < (overlap ? 3 : 1); ++w) wss.push_back(make_workspace());
   auto ws_of = [&](int64_t j) -> Workspace& { return *wss[j % wss.size()]; };

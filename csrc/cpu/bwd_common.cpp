@@ -219,10 +219,9 @@ InputGrads empty_input_grads(const Dims& d, const Inputs& in, const Config& cfg)
 }
 
 // The chain rule (chain_rule_tokens) over the rows [b0, e0) of one token block, on the calling
-// thread: C's block arrays
-// (partials, rnorms, khat, gate values, beta; BT = the block's row stride) are read at the row,
-// G's arrays at the global token (row + shift[n]); q or g at the row too when q_in_block /
-// g_in_block (block buffers of widened 16-bit inputs).
+// thread: C's block arrays (partials, rnorms, khat, gate values, beta; BT = the block's row stride)
+// are read at the row, G's arrays at the global token (row + shift[n]); q or g at the row too when
+// q_in_block / g_in_block (block buffers of widened 16-bit inputs).
 template <typename T>
 struct ChainGlobals {
   const T* q = nullptr;  // [B*T, H, K] raw q (compute dtype), or null (no l2 norm)
@@ -466,16 +465,17 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
 
   // Blocks run last first. For a kernel that takes side work, with several blocks, 8 threads or
   // more and at least as many units as threads, three workspaces take turns: block j's units run in
-  // one parallel region beside the chain rule of block j + 1 (whose units ran in the region
-  // before) and the pre-processing of block j - 1 (whose units run in the region after), instead
-  // of three regions, each ending in a barrier of all threads, per block (recurrent backward,
-  // B1 T8K, 16 threads, 16-core host, session 17: H16 0.86-1.00x the time in fp32 (median 0.88x),
-  // 0.90-1.00x in bf16; H32 0.76-1.07x, median 0.92x; docs/benchmarks.md). The three blocks' rows, partials and buffers are apart,
-  // and each row is computed as in the sequential order: the same bits. Otherwise one workspace,
-  // the steps in turn: with fewer units than threads (B1 H4 at 16 threads: 4 units) the units ran
-  // 1.3-1.5x slower beside 12 threads streaming the side work, where alone in their region they
-  // kept the cache and the chip's clock to themselves; with 2 threads (2-core box, B1 T8K H4 /
-  // H16) the overlap read 0.81-1.68x the time, median 1.03x: no gain where few barriers are saved.
+  // one parallel region beside the chain rule of block j + 1 (whose units ran in the region before)
+  // and the pre-processing of block j - 1 (whose units run in the region after), instead of three
+  // regions, each ending in a barrier of all threads, per block (recurrent backward, B1 T8K, 16
+  // threads, 16-core host, session 17: H16 0.86-1.00x the time in fp32 (median 0.88x), 0.90-1.00x
+  // in bf16; H32 0.76-1.07x, median 0.92x; docs/benchmarks.md). The three blocks' rows, partials
+  // and buffers are apart, and each row is computed as in the sequential order: the same bits.
+  // Otherwise one workspace, the steps in turn: with fewer units than threads (B1 H4 at 16 threads:
+  // 4 units) the units ran 1.3-1.5x slower beside 12 threads streaming the side work, where alone
+  // in their region they kept the cache and the chip's clock to themselves; with 2 threads (2-core
+  // box, B1 T8K H4 / H16) the overlap read 0.81-1.68x the time, median 1.03x: no gain where few
+  // barriers are saved.
   constexpr int64_t kOverlapMinThreads = 8;
   const int64_t threads = at::get_num_threads();
   const bool overlap = kernel.side_work && n_blocks > 1 && threads >= kOverlapMinThreads &&
@@ -510,66 +510,46 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
   // smallest index, as the forward reports it (raising at the first block that had one named an
   // element that depended on where blocks start, so on the thread count).
   FirstBad bad;
-  // The pass and the chain rule over the rows [b, e) of W's block, on the calling thread.
-  auto prep = [&](const Workspace& W, int64_t b, int64_t e) {
-    prep_rows<T>(W.P, W.rows, /*shifted_inputs=*/false, b, e, bad);
-  };
-  auto chain = [&](const Workspace& W, int64_t b, int64_t e) {
-    chain_rule_rows<T>(W.C, W.rows, W.G, b, e);
-  };
-  // A pass (prep or chain) over W's rows in tasks of block_rows_grain rows.
-  struct RowTasks {
-    const Workspace* W = nullptr;
-    int64_t grain = 1, count = 0;
-  };
-  auto row_tasks = [](const Workspace* W) {
-    RowTasks r;
-    if (W) {
-      r.W = W;
-      r.grain = block_rows_grain(W->rows);
-      r.count = (W->rows.loc.back() + r.grain - 1) / r.grain;
-    }
-    return r;
-  };
-  auto run_task = [](const RowTasks& r, int64_t i, const auto& step) {
-    const int64_t b = i * r.grain;
-    step(*r.W, b, std::min(r.W->rows.loc.back(), b + r.grain));
-  };
-  auto in_parallel = [&](const Workspace& W, const auto& step) {
-    at::parallel_for(0, W.rows.loc.back(), block_rows_grain(W.rows),
-                     [&](int64_t b, int64_t e) { step(W, b, e); });
+  auto prep_all = [&](const Workspace& W) { prep_block<T>(W.P, W.rows, false, bad); };
+  // The chain rule over the block's rows, written to the outputs at the global tokens.
+  auto chain_all = [&](const Workspace& W) {
+    at::parallel_for(0, W.rows.loc.back(), block_rows_grain(W.rows), [&](int64_t b, int64_t e) {
+      chain_rule_rows<T>(W.C, W.rows, W.G, b, e);
+    });
   };
 
   if (!overlap) {
     Workspace& W = ws_of(0);
     for (int64_t j = n_blocks - 1; j >= 0; --j) {
       set_block(W, j);
-      in_parallel(W, prep);
+      prep_all(W);
       kernel.run_block(W.A, W.rows.rs, W.re, j, SideWork{});
-      // The chain rule over the block's rows, written to the outputs at the global tokens.
-      in_parallel(W, chain);
+      chain_all(W);
     }
   } else {
     set_block(ws_of(n_blocks - 1), n_blocks - 1);
-    in_parallel(ws_of(n_blocks - 1), prep);
+    prep_all(ws_of(n_blocks - 1));
     for (int64_t j = n_blocks - 1; j >= 0; --j) {
       // Beside block j's units: the chain rule of block j + 1, the pass of block j - 1.
-      if (j > 0) set_block(ws_of(j - 1), j - 1);
-      const RowTasks chains = row_tasks(j + 1 < n_blocks ? &ws_of(j + 1) : nullptr);
-      const RowTasks passes = row_tasks(j > 0 ? &ws_of(j - 1) : nullptr);
+      const Workspace* done = j + 1 < n_blocks ? &ws_of(j + 1) : nullptr;
+      const Workspace* next = j > 0 ? &ws_of(j - 1) : nullptr;
+      if (next) set_block(ws_of(j - 1), j - 1);
+      const RowTasks chains = done ? RowTasks(done->rows) : RowTasks();
+      const RowTasks passes = next ? RowTasks(next->rows) : RowTasks();
       SideWork side;
       side.tasks = chains.count + passes.count;
       side.run = [&](int64_t i) {
         if (i < chains.count) {
-          run_task(chains, i, chain);
+          chain_rule_rows<T>(done->C, done->rows, done->G, chains.begin(i), chains.end(i));
         } else {
-          run_task(passes, i - chains.count, prep);
+          i -= chains.count;
+          prep_rows<T>(next->P, next->rows, false, passes.begin(i), passes.end(i), bad);
         }
       };
       Workspace& W = ws_of(j);
       kernel.run_block(W.A, W.rows.rs, W.re, j, side);
     }
-    in_parallel(ws_of(0), chain);
+    chain_all(ws_of(0));
   }
   report_domain(bad, in, cfg, d);
 }

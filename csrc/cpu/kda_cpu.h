@@ -152,6 +152,16 @@ inline int64_t block_rows_grain(const BlockRows& rows) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   return std::max<int64_t>(1, std::min<int64_t>(16, used / (4 * threads)));
 }
+// A pass over a block's rows as side work (SideWork): tasks 0 .. count - 1 of block_rows_grain
+// rows each, task i the rows [begin(i), end(i)). Default: no rows, no tasks.
+struct RowTasks {
+  RowTasks() = default;
+  explicit RowTasks(const BlockRows& rows)
+      : used(rows.loc.back()), grain(block_rows_grain(rows)), count((used + grain - 1) / grain) {}
+  int64_t begin(int64_t i) const { return i * grain; }
+  int64_t end(int64_t i) const { return std::min(used, (i + 1) * grain); }
+  int64_t used = 0, grain = 1, count = 0;
+};
 // Pre-processes the rows of a token block (kernels' prep_tokens, in parallel over rows) into P's
 // outputs at the rows' local index; the inputs are read at the local index too with
 // shifted_inputs (block buffers), else at the global token.

@@ -427,11 +427,10 @@ void run_fwd_blocked(const Inputs& in, const Config& cfg, const Dims& d, const S
     FirstBad bad_next;
     if (next) {
       set_block(*next, j + 1);
-      const int64_t used = next->rows.loc.back(), grain = block_rows_grain(next->rows);
-      side.tasks = (used + grain - 1) / grain;
-      side.run = [&, next, used, grain](int64_t i) {
-        prep_rows<T>(next->P, next->rows, false, i * grain, std::min(used, (i + 1) * grain),
-                     bad_next);
+      const RowTasks passes(next->rows);
+      side.tasks = passes.count;
+      side.run = [&, next, passes](int64_t i) {
+        prep_rows<T>(next->P, next->rows, false, passes.begin(i), passes.end(i), bad_next);
       };
     }
     run_block(W.A, own, W.rows.rs, W.re, j, plan.n_blocks, side);

@@ -1154,7 +1154,8 @@ def overhead_main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--blocks", type=int, default=60, help="paired blocks (default 60)")
     p.add_argument("--calls", type=int, default=40, help="calls per block (default 40)")
-    p.add_argument("--json", metavar="PATH", type=output_file, default=None, help="also write the rows as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_file, default=None,
+                   help="also write the rows as JSON")
     args = p.parse_args(argv)
     info = machine_info()
     start = time.perf_counter()
@@ -1274,7 +1275,8 @@ def chunk_main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     p.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
     p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--json", metavar="PATH", type=output_file, default=None, help="also write the rows as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_file, default=None,
+                   help="also write the rows as JSON")
     args = p.parse_args(argv)
     seq_lens = args.seq_lens or (CHUNK_QUICK_SEQ_LENS if args.quick else CHUNK_SEQ_LENS)
     reps = args.reps or (3 if args.quick else 5)

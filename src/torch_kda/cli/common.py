@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["UsageError", "MissingExtra", "positive_int", "int_at_least", "positive_float", "require_extra", "output_dir",
-           "busy_machine_threads"]
+__all__ = ["UsageError", "MissingExtra", "positive_int", "int_at_least", "positive_float", "require_extra",
+           "output_dir", "busy_machine_threads"]
 
 
 class UsageError(ValueError):

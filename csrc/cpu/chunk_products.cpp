@@ -6,6 +6,9 @@
 #include "cpu/error_message.h"
 
 #include <ATen/native/CPUBlas.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <torch/library.h>
 
 #include <algorithm>
@@ -58,6 +61,61 @@ ProductWork::ProductWork(Products mode_, Carver& c, int64_t K, int64_t V) : mode
   fa = c.take<float>(R * R);
 }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KDA_BF16_CONVERT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace {
+bool cpu_converts_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+}
+
+// The first m (< 16) floats of x as a vector, the rest zero.
+KDA_BF16_CONVERT inline __m512 load_first(const float* x, int64_t m) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << m) - 1), x);
+}
+}  // namespace
+
+const bool kBf16Convert = cpu_converts_bf16();
+
+KDA_BF16_CONVERT void round_bf16_convert(const float* x, uint16_t* y, int64_t n) {
+  int64_t e = 0;
+  for (; e + 32 <= n; e += 32) {
+    const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + e + 16), _mm512_loadu_ps(x + e));
+    _mm512_storeu_si512(y + e, reinterpret_cast<__m512i>(r));
+  }
+  for (; e < n; e += 16) {
+    const int64_t m = std::min<int64_t>(16, n - e);
+    const __m512 v = m == 16 ? _mm512_loadu_ps(x + e) : load_first(x + e, m);
+    const __m256bh r = _mm512_cvtneps_pbh(v);
+    _mm256_mask_storeu_epi16(y + e, static_cast<__mmask16>((1u << m) - 1),
+                             reinterpret_cast<__m256i>(r));
+  }
+}
+
+KDA_BF16_CONVERT void pack_pair_convert(const float* x0, const float* x1, uint32_t* y,
+                                        int64_t n) {
+  // cvtne2ps(b, a) holds bf16(a) in words 0-15 and bf16(b) in 16-31; the permutation interleaves
+  // them (word 2e = a[e], 2e + 1 = b[e]).
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  for (int64_t e = 0; e < n; e += 16) {
+    const int64_t m = std::min<int64_t>(16, n - e);
+    const __m512 a = m == 16 ? _mm512_loadu_ps(x0 + e) : load_first(x0 + e, m);
+    const __m512 b = !x1 ? _mm512_setzero_ps()
+                         : (m == 16 ? _mm512_loadu_ps(x1 + e) : load_first(x1 + e, m));
+    const __m512i w = _mm512_permutexvar_epi16(
+        pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
+    _mm512_mask_storeu_epi32(y + e, static_cast<__mmask16>((1u << m) - 1), w);
+  }
+}
+#else
+const bool kBf16Convert = false;
+void round_bf16_convert(const float*, uint16_t*, int64_t) {}
+void pack_pair_convert(const float*, const float*, uint32_t*, int64_t) {}
+#endif
+
 KDA_CLONES void pack_b_rows(const ProductWork& p, int64_t Kd, int64_t N, int64_t r0, int64_t r1,
                             int64_t have, const float* src, int64_t lds, void* dst) {
   auto row = [&](int64_t r) { return r < have ? src + (r - r0) * lds : nullptr; };
@@ -84,7 +142,9 @@ KDA_CLONES void pack_b_rows(const ProductWork& p, int64_t Kd, int64_t N, int64_t
       const float* __restrict x0 = row(r);
       const float* __restrict x1 = row(r + 1);
       uint32_t* __restrict y = block + (r / 2) * width;
-      if (x1) {
+      if (kBf16Convert && x0) {
+        pack_pair_convert(x0 + e0, x1 ? x1 + e0 : nullptr, y, width);
+      } else if (x1) {
         KDA_IVDEP
         for (int64_t e = 0; e < width; ++e) {
           y[e] = bf16_bits(x0[e0 + e]) | (bf16_bits(x1[e0 + e]) << 16);

@@ -60,9 +60,27 @@ KDA_ALWAYS_INLINE uint32_t bf16_bits(float x) {
   return x != x ? 0x7FC0u : r;
 }
 
+// float -> bf16 by the CPU's own conversion (AVX512_BF16's vcvtne2ps2bf16: two vectors per
+// instruction, where bf16_bits takes about ten integer operations per vector; pack_b_rows and
+// round_bf16 spent ~8% of the AMX chunk forward in them). Every CPU with AMX has it, and the
+// bf16 products run only there or in their emulation (chunk_products.h). Rounding to nearest even
+// as bf16_bits; a subnormal becomes a zero of its sign and a NaN stays a NaN (not the one quiet
+// NaN): both only as product operands, which AMX and the emulation's fp32 GEMM (under
+// FlushDenormals) read as zero / NaN alike, so the products' results keep their bits.
+// kBf16Convert: whether this CPU has it (read once at load). round_bf16_convert: y[e] =
+// bf16(x[e]), e < n. pack_pair_convert: y[e] = bf16(x0[e]) | bf16(x1[e]) << 16 (x1 null: 0),
+// e < n, the VNNI word of a row pair (chunk_products.h).
+extern const bool kBf16Convert;
+void round_bf16_convert(const float* x, uint16_t* y, int64_t n);
+void pack_pair_convert(const float* x0, const float* x1, uint32_t* y, int64_t n);
+
 // y[e] = bf16(x[e]) for e < n.
 KDA_ALWAYS_INLINE void round_bf16(const float* __restrict x, at::BFloat16* __restrict y, int64_t n) {
   uint16_t* __restrict yb = reinterpret_cast<uint16_t*>(y);
+  if (kBf16Convert && n >= 16) {
+    round_bf16_convert(x, yb, n);
+    return;
+  }
   KDA_IVDEP
   for (int64_t e = 0; e < n; ++e) yb[e] = uint16_t(bf16_bits(x[e]));
 }

@@ -333,10 +333,12 @@ def test_the_first_value_outside_the_domain_is_named_as_the_recurrent_op_names_i
 
 
 def test_auto_rule_picks_the_chunk_kernel_only_where_it_was_measured_faster(monkeypatch):
-    # _native.prefer_chunk: bf16 products on a matrix engine, no gradient recorded, a mean length
-    # of at least 2048 tokens, at least 2 (sequence, value head) units per thread.
+    # _native.prefer_chunk: bf16 products asked for, on a matrix engine, no gradient recorded, a
+    # mean length of at least 2048 tokens, at least 2 (sequence, value head) units per thread.
     import torch_kda
     from torch_kda import _native
+
+    monkeypatch.setenv("TORCH_KDA_CHUNK_PRODUCTS", "bf16")
 
     p = make_problem(B=1, T=2048, H=1, HV=2, K=16, V=16, gate="softplus", seed=3)
     p = p.to(torch.bfloat16)
@@ -363,6 +365,34 @@ def test_auto_rule_picks_the_chunk_kernel_only_where_it_was_measured_faster(monk
             assert torch.equal(auto(p, q), chunk(p)[0])
         torch.set_num_threads(2)  # 2 units for 2 threads: recurrent
         assert torch.equal(auto(p), recurrent(p)[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("knob", [None, "auto", "fp32"])
+def test_auto_rule_keeps_the_recurrent_kernel_unless_bf16_products_are_asked_for(knob,
+                                                                                monkeypatch):
+    # Where everything else favours the chunk kernel (its bf16 products on a matrix engine, no
+    # gradient, long sequences, units for every thread), backend="auto" still runs the recurrent
+    # one: the bf16 products' error grows with the sequence, so only TORCH_KDA_CHUNK_PRODUCTS=bf16
+    # makes auto take them (the test above).
+    import torch_kda
+    from torch_kda import _native
+
+    if knob is None:
+        monkeypatch.delenv("TORCH_KDA_CHUNK_PRODUCTS", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_KDA_CHUNK_PRODUCTS", knob)
+    monkeypatch.setattr(_native, "chunk_bf16_products", lambda *a: True)
+    p = make_problem(B=1, T=2048, H=1, HV=2, K=16, V=16, gate="softplus", seed=3)
+    p = p.to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            o = torch_kda.chunk_kda(*p.args, **p.kwargs, backend="auto")[0]
+        assert torch.equal(o, recurrent(p)[0])
+        assert not torch.equal(o, chunk(p)[0])
     finally:
         torch.set_num_threads(threads)
 

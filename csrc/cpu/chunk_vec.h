@@ -64,9 +64,12 @@ KDA_ALWAYS_INLINE uint32_t bf16_bits(float x) {
 // instruction, where bf16_bits takes about ten integer operations per vector; pack_b_rows and
 // round_bf16 spent ~8% of the AMX chunk forward in them). Every CPU with AMX has it, and the
 // bf16 products run only there or in their emulation (chunk_products.h). Rounding to nearest even
-// as bf16_bits; a subnormal becomes a zero of its sign and a NaN stays a NaN (not the one quiet
-// NaN): both only as product operands, which AMX and the emulation's fp32 GEMM (under
-// FlushDenormals) read as zero / NaN alike, so the products' results keep their bits.
+// as bf16_bits; a NaN stays a NaN (not the one quiet NaN), and a subnormal becomes a zero of its
+// sign, which AMX and the emulation's fp32 GEMM (under FlushDenormals) read a bf16 subnormal as
+// anyway. The one difference in the products: a subnormal within half a bf16 step of the
+// smallest normal float, which bf16_bits rounds up to it (1.2e-38) and the instruction to 0; the
+// workers flush computed values, so only an input copied into an operand (an initial state) can
+// hold one.
 // kBf16Convert: whether this CPU has it (read once at load). round_bf16_convert: y[e] =
 // bf16(x[e]), e < n. pack_pair_convert: y[e] = bf16(x0[e]) | bf16(x1[e]) << 16 (x1 null: 0),
 // e < n, the VNNI word of a row pair (chunk_products.h).

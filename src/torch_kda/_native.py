@@ -216,12 +216,16 @@ def prefer_chunk(x: KDAInputs) -> bool:
     ("The ``backend="auto"`` rule", ``python -m torch_kda.benchmark chunk``). The chunk kernel runs
     when all of these hold, else the recurrent one:
 
+    - the caller asked for bf16 products (``TORCH_KDA_CHUNK_PRODUCTS=bf16``): where the chunk
+      kernel is faster it is so through bf16 operands, whose rounding of the state every chunk
+      adds up over the sequence (relative RMS error of the output against float64 ~0.005 at
+      T = 4K with beta = 1 and no decay, 0.026 with beta = 2, growing about as sqrt(T); the
+      recurrent kernel 0.0017 at any length), for 1.0-1.2x the recurrent kernel's speed: not a
+      trade ``auto`` makes on its own;
     - its state products take bf16 operands on the CPU's matrix engine
-      (``torch.ops.kda._chunk_bf16_products``: bf16 inputs (fp16 ones only with
-      TORCH_KDA_CHUNK_PRODUCTS=bf16), K and V multiples of 16, a CPU where ATen packs bf16 for its
-      brgemm, i.e. AMX; TORCH_KDA_CHUNK_PRODUCTS not ``fp32``). Elsewhere the chunk forward
-      measured 0.4-0.95x of the recurrent one (AVX2, AVX-512 without AMX, and fp32 inputs on
-      AMX);
+      (``torch.ops.kda._chunk_bf16_products``: bf16 or fp16 inputs, K and V multiples of 16, a
+      CPU where ATen packs bf16 for its brgemm, i.e. AMX). Elsewhere the chunk forward measured
+      0.4-0.95x of the recurrent one (AVX2, AVX-512 without AMX, and fp32 inputs on AMX);
     - no gradient is recorded: the chunk forward + backward, with bf16 products in its backward
       too, measured 1.06-1.21x the recurrent pair on the AMX host (1 thread at H4 / H16, 16
       threads at H16), but 0.88-0.94x at H4 with 16 threads, and its gradient of A_log carries
@@ -235,7 +239,7 @@ def prefer_chunk(x: KDAInputs) -> bool:
     """
     # Asked first: it reads TORCH_KDA_CHUNK_PRODUCTS, whose misspelling then raises at any length,
     # as the native chunk op raises it.
-    if not chunk_bf16_products(x.q.dtype, x.K, x.V):
+    if not chunk_bf16_products(x.q.dtype, x.K, x.V) or not _bf16_products_asked():
         return False
     if x.T <= 1:
         return False
@@ -277,6 +281,13 @@ def chunk_bf16_products(dtype: torch.dtype, K: int, V: int) -> bool:
     TORCH_KDA_CHUNK_PRODUCTS knob included, read at each call). Raises ValueError on an unknown
     knob value."""
     return _op_bf16_products(os.environ.get("TORCH_KDA_CHUNK_PRODUCTS"), dtype, K, V)
+
+
+@_constant_to_compile
+def _bf16_products_asked() -> bool:
+    """Whether TORCH_KDA_CHUNK_PRODUCTS is ``bf16`` (read at each call; a constant to
+    torch.compile, as the op's own choice)."""
+    return os.environ.get("TORCH_KDA_CHUNK_PRODUCTS") == "bf16"
 
 
 # The op's answer depends only on the knob's value (part of the key: the op reads it itself) and

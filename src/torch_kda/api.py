@@ -7,8 +7,9 @@ raising); where it refuses the arguments the checks run and raise as described. 
 
 - ``"native"``: the C++ CPU operators: ``torch.ops.kda.fused_recurrent`` (token by token) for
   :func:`fused_recurrent_kda`, ``torch.ops.kda.chunk`` (chunkwise, matrix products) for
-  :func:`chunk_kda`; with ``"auto"``, :func:`chunk_kda` picks the faster of the two by a rule
-  measured on CPUs (``_native.prefer_chunk``, docs/benchmarks.md);
+  :func:`chunk_kda`; with ``"auto"``, :func:`chunk_kda` runs the recurrent one unless
+  ``TORCH_KDA_CHUNK_PRODUCTS=bf16`` asks for the chunk kernel's bf16 products, then the faster of
+  the two by a rule measured on CPUs (``_native.prefer_chunk``, docs/benchmarks.md);
 - ``"reference"``: the pure-PyTorch definition in :mod:`torch_kda.reference` (any device);
 - ``"fla"``: flash-linear-attention on CUDA, imported only when chosen;
 - ``"auto"``: ``"fla"`` for CUDA tensors when FLA is installed, ``"native"`` for CPU tensors when
@@ -275,9 +276,10 @@ def chunk_kda(
     products over chunks of 64 tokens, fp32 products and accumulation, fp64 for fp64 inputs; for
     bf16 inputs the state products (forward and backward) take bf16 operands with fp32
     accumulation on CPUs with AMX, as FLA's kernels do: about 0.8x the error of FLA's own chunk
-    kernel on the same inputs, within FLA's bar of 0.005 relative RMS at FLA's initialisation,
-    up to ~0.014 with very slow decays and beta near 2 (FLA's kernel: 0.017; the recurrent
-    kernel: 0.0017, the rounding of the output); gradients 0.1-0.9x FLA's errors, within its
+    kernel on the same inputs, within FLA's bar of 0.005 relative RMS at FLA's initialisation;
+    with slow decays the state's rounding in every chunk adds up, about as sqrt(T) with no
+    decay (T = 4096: 0.0055 at beta = 1, 0.026 at beta = 2; the recurrent kernel: 0.0017, the
+    rounding of the output, at any length); gradients 0.1-0.9x FLA's errors, within its
     0.008 at its initialisation but for ``A_log``'s (a sum with cancellation: up to ~0.019,
     FLA's 0.023; fp32 products 0.0024; docs/benchmarks.md "Accuracy of the bf16 products"); the
     environment variable
@@ -286,8 +288,9 @@ def chunk_kda(
     rounding); ``"fla"`` calls FLA's Triton kernels. The native
     kernel always uses chunks of 64 tokens: ``chunk_size`` changes only the reference's chunk
     length and the spacing of ``return_intermediate_states``, never the native result.
-    ``"auto"`` on CPU runs the native chunkwise kernel where it is measured faster than the
-    recurrent one (bf16 inputs on CPUs with AMX, no gradient recorded, sequences of 2048
+    ``"auto"`` on CPU runs the recurrent kernel unless ``TORCH_KDA_CHUNK_PRODUCTS=bf16`` asks
+    for those bf16 products; then it runs the native chunkwise kernel where it is measured faster
+    than the recurrent one (bf16 inputs on CPUs with AMX, no gradient recorded, sequences of 2048
     tokens or more, at least 2 (sequence, value head) pairs per thread;
     ``_native.prefer_chunk``, docs/benchmarks.md) and the recurrent kernel otherwise (decoding,
     short sequences, training, fp32 and fp16, CPUs without AMX).

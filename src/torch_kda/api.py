@@ -280,7 +280,7 @@ def chunk_kda(
     with slow decays the state's rounding in every chunk adds up, about as sqrt(T) with no
     decay (T = 4096: 0.0055 at beta = 1, 0.026 at beta = 2; the recurrent kernel: 0.0017, the
     rounding of the output, at any length); gradients 0.1-0.9x FLA's errors, within its
-    0.008 at its initialisation but for ``A_log``'s (a sum with cancellation: up to ~0.019,
+    0.008 at its initialisation but for ``A_log``'s (a sum with cancellation: ~0.02,
     FLA's 0.023; fp32 products 0.0024; docs/benchmarks.md "Accuracy of the bf16 products"); the
     environment variable
     ``TORCH_KDA_CHUNK_PRODUCTS=auto|fp32|bf16`` chooses, ``fp32`` keeps fp32 products,

@@ -2,7 +2,9 @@
 // multi-versioned (KDA_CLONES) callers: a loop annotation, bf16 rounding of a row and a blocked
 // transposition. Header-only and always inlined, so each clone gets its own vector width
 // (AVX-512 / AVX2 / SSE2); the results are the same bits on every clone (no reassociation:
-// copies, shuffles and exact integer rounding only).
+// copies, shuffles and exact integer rounding only). The one exception: where the CPU converts
+// float to bf16 itself (kBf16Convert, below), the rounding of rows calls that conversion,
+// compiled once in chunk_products.cpp.
 #pragma once
 
 #include <ATen/ATen.h>

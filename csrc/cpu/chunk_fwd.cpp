@@ -11,6 +11,7 @@
 // backward can consume them.
 #include "cpu/chunk_common.h"
 #include "cpu/kda_cpu.h"
+#include "cpu/output_cache.h"
 
 #include <ATen/Parallel.h>
 
@@ -109,7 +110,8 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   ChunkRows<T>(sizer, K, V);
   const int64_t work = sizer.bytes();
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const at::Tensor ws = at::empty({threads * work + 64}, ht.options().dtype(at::kByte));
+  // From the output cache, as every per-call buffer of the ops (csrc/cpu/output_cache.h).
+  const at::Tensor ws = empty_output({threads * work + 64}, ht.options().dtype(at::kByte));
   // 64-byte aligned start (every part then is too).
   char* const ws0 = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(ws.data_ptr()) + 63) / 64 * 64);
@@ -126,7 +128,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   chunk::bind_results(sized, item_sizer, K, V, bf16);
   const int64_t item_bytes = item_sizer.bytes();
   const at::Tensor store =
-      at::empty({group * wave * item_bytes + 64}, ht.options().dtype(at::kByte));
+      empty_output({group * wave * item_bytes + 64}, ht.options().dtype(at::kByte));
   char* const store0 = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(store.data_ptr()) + 63) / 64 * 64);
   const T* s0 = h0.defined() ? h0.data_ptr<T>() : nullptr;

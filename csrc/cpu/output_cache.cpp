@@ -33,13 +33,17 @@ namespace detail {
 
 namespace {
 
-// Blocks under this size come from the ordinary allocator: glibc reuses them from its heap, so
-// they do not fault call after call.
-constexpr size_t kMinBytes = size_t(1) << 20;
+// Blocks under this size come from the ordinary allocator. glibc serves them from its heap but
+// hands the heap's top back to the system when it trims it, so buffers of a few hundred KB
+// made and freed every call faulted in again call after call: the forward's block workspaces at
+// T = 1K, H = 4 with 2 threads, 700-970 faults per call and ~30% of its time (docs/benchmarks.md,
+// "Page faults under 1 MB"). 128 KB is glibc's default threshold for a mapping of its own.
+constexpr size_t kMinBytes = size_t(128) << 10;
 // Block capacities are multiples of this (so outputs of nearby sizes can share blocks).
 constexpr size_t kGrain = size_t(64) << 10;
-// A free block serves a request of n bytes if its capacity is at most n + n / kSlackDiv (best fit
-// among those): a much larger block would tie up memory another call could use.
+// A free block serves a request of n bytes (capacity cap: n rounded up to the grain) if its
+// capacity is at least cap and at most cap + cap / kSlackDiv (best fit among those): a much larger
+// block would tie up memory another call could use.
 constexpr size_t kSlackDiv = 8;
 constexpr size_t kHuge = size_t(2) << 20;
 
@@ -136,7 +140,11 @@ class OutputCache final : public c10::Allocator {
       auto best = free_.end();
       for (auto it = free_.begin(); it != free_.end(); ++it) {
         const size_t c = (*it)->cap;
-        if (c >= n && c <= n + n / kSlackDiv && (best == free_.end() || c < (*best)->cap)) best = it;
+        // Against the request's own capacity: a block made for this size (rounded up to the
+        // grain) always fits it again, even where the grain exceeds the slack (n < 512 KB).
+        if (c >= cap && c <= cap + cap / kSlackDiv && (best == free_.end() || c < (*best)->cap)) {
+          best = it;
+        }
       }
       if (best != free_.end()) {
         b.reset(*best);

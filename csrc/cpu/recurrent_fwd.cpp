@@ -481,7 +481,7 @@ void run_recurrent(const Inputs& in, const Config& cfg, const Dims& d, const Seq
   // and blocks: no allocation inside the parallel regions.
   const int64_t ws_stride = kernels::fwd_scratch_elems(d.K, n_slices);
   const auto opts = in.q.options().dtype(compute_dtype(in.q));
-  const at::Tensor thread_ws = at::empty({threads * ws_stride}, opts);
+  const at::Tensor thread_ws = empty_output({threads * ws_stride}, opts);
   T* const ws0 = thread_ws.data_ptr<T>();
   // The running states between token blocks, in the kernels' layout (FwdArgs::slices), made at
   // the first block of a call in several; a call in one block keeps them in the threads'

@@ -11,7 +11,8 @@
 //
 // Limit: the bytes held by the free list (blocks not in use), default min(2 GB, RAM / 8),
 // environment variable TORCH_KDA_OUTPUT_CACHE_MB (read once; 0 disables the cache). Blocks under
-// 1 MB are not cached (the ordinary allocator reuses those without faults). Thread-safe: a tensor
+// 128 KB are not cached (glibc's heap serves those; larger ones it trimmed away and faulted in
+// again call after call). The ops' per-call work buffers come from it too. Thread-safe: a tensor
 // may be freed on any thread.
 #pragma once
 

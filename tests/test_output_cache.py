@@ -82,7 +82,7 @@ def test_buffers_under_1_mb_are_recycled_too(cache_limit, op, threads):
     # A call whose outputs and work buffers all lie between 128 KB and 1 MB (o 600 KB, the block
     # workspaces and the chunk kernel's per-thread parts 150-600 KB): they came from glibc, which
     # handed them back to the system when it trimmed its heap, so the next call faulted them in
-    # again (700-970 faults per call of the forward at T = 1K, H = 4 with 2 threads; session 18).
+    # again (620-970 faults per call of the forward at T = 1K, H = 4 with 2 threads; session 18).
     # Now every such buffer is a cached block: the second call takes all of them from the first
     # call's freed blocks and maps none.
     cache_limit(256 * MB)

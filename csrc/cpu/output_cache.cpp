@@ -36,7 +36,7 @@ namespace {
 // Blocks under this size come from the ordinary allocator. glibc serves them from its heap but
 // hands the heap's top back to the system when it trims it, so buffers of a few hundred KB
 // made and freed every call faulted in again call after call: the forward's block workspaces at
-// T = 1K, H = 4 with 2 threads, 700-970 faults per call and ~30% of its time (docs/benchmarks.md,
+// T = 1K, H = 4 with 2 threads, 620-970 faults per call and a quarter of its time (docs/benchmarks.md,
 // "Page faults under 1 MB"). 128 KB is glibc's default threshold for a mapping of its own.
 constexpr size_t kMinBytes = size_t(128) << 10;
 // Block capacities are multiples of this (so outputs of nearby sizes can share blocks).

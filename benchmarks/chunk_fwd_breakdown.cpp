@@ -18,6 +18,8 @@
 //       -D_GLIBCXX_USE_CXX11_ABI=1 benchmarks/chunk_fwd_breakdown.cpp -o /tmp/chunk_breakdown
 //       -L$TORCH/lib -L$KDA -Wl,-rpath,$TORCH/lib -Wl,-rpath,$KDA -l:libkda.so -ltorch_cpu -lc10
 //   /tmp/chunk_breakdown 128 1 bf16     # chunks, gate strength s, products: fp32 | bf16 | emulated
+//   /tmp/chunk_breakdown 256 1 bf16 32  # the same tokens in chunks of 32 (the pieces take any
+//                                       # n <= 64 tokens: what a shorter chunk would cost)
 #include "cpu/chunk_common.h"
 
 #include <ATen/native/CPUBlas.h>
@@ -56,7 +58,11 @@ int main(int argc, char** argv) {
   const int64_t chunks = argc > 1 ? std::atoll(argv[1]) : 128;
   const float s = argc > 2 ? std::atof(argv[2]) : 1.0f;
   const std::string mode = argc > 3 ? argv[3] : "fp32";
-  const int64_t K = 128, V = 128, C = chunk::kC, T = chunks * C;
+  const int64_t K = 128, V = 128, C = argc > 4 ? std::atoll(argv[4]) : chunk::kC, T = chunks * C;
+  if (C < 1 || C > chunk::kC) {
+    std::printf("the chunk length must lie in [1, %lld]\n", static_cast<long long>(chunk::kC));
+    return 1;
+  }
   const chunk::Products products = mode == "bf16"       ? chunk::Products::kBf16
                                    : mode == "emulated" ? chunk::Products::kBf16Emulated
                                                         : chunk::Products::kNative;

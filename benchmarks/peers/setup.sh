@@ -43,7 +43,7 @@ if [ "${SKIP_GGML:-0}" != 1 ]; then
   # `cmake -S ggml` alone fails in this sdist (no ggml.pc.in): configure the top level, build ggml.
   cmake -S "$SRC" -B "$DIR/ggml-build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
-    -DLLAMA_BUILD_SERVER=OFF >"$DIR/ggml-configure.log"
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$DIR/ggml-configure.log"
   cmake --build "$DIR/ggml-build" -j "$JOBS" --target ggml ggml-cpu ggml-base
   LIBDIR="$(dirname "$(find "$DIR/ggml-build" -name 'libggml-cpu.so' | head -1)")"
   echo "== building the driver $DIR/libkda_ggml_gdn.so"

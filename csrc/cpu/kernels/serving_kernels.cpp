@@ -215,6 +215,20 @@ constexpr int64_t kLanes = kL<T>;
 
 // Elementwise math of the pre-processing: vec_math.h (shared with recurrent_kernels.cpp).
 
+// Software prefetch of the state block a thread reads next (the following head's), a few lines for
+// every row of this head that is read: a state that comes from memory (a decode batch larger
+// than the caches) then streams in while this head's arithmetic runs, instead of after it. Into
+// L2 (prefetcht1): the next block (64 KB at K = V = 128) would push this head's rows out of L1.
+struct Ahead {
+  uintptr_t p = 0, end = 0;  // addresses: the cursor may step past the end (prefetches never fault)
+  // The next `bytes` (a constant at every call: the loop unrolls).
+  __attribute__((always_inline)) inline void fetch(uintptr_t bytes) {
+    if (p >= end) return;
+    for (uintptr_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const void*>(p + b), 0, 2);
+    p += bytes;
+  }
+};
+
 // ---- per-token pre-processing of one (token, value head) ---------------------------------------
 template <typename T>
 struct Prep {
@@ -224,6 +238,7 @@ struct Prep {
   T* ak;  // [K] a * khat
   T qk;   // qhat . khat * scale
   T beta; // scalar beta (unused when head-wise)
+  mutable Ahead next{};  // the block to prefetch while this one is read (decode only)
 };
 
 template <typename T>
@@ -301,6 +316,7 @@ void step_kfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t
     for (int64_t r = 0; r < K; ++r) {
       const vec<T> ak = splat(P.ak[r]), qa = splat(P.q[r]);
       const Src* row = src + r * sld;
+      if constexpr (Full) P.next.fetch(NV * L * sizeof(Src));
 #pragma GCC unroll 8
       for (int j = 0; j < NV; ++j) {
         const vec<T> s = vload<T, Src>(row + j * L, cnt(j));
@@ -373,6 +389,7 @@ inline void vfirst_cols(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, 
     for (int64_t i = 0; i < K; i += L) {
       const int64_t m = Full ? L : K - i;
       const vec<T> ak = vload<T, T>(pak + i, m), q = vload<T, T>(pq + i, m);
+      if constexpr (Full) P.next.fetch(CB * L * sizeof(Src));
 #pragma GCC unroll 8
       for (int j = 0; j < CB; ++j) {
         const vec<T> s = vload<T, Src>(src + j * sld + i, m);
@@ -432,6 +449,7 @@ inline void vfirst_lanes(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok,
       for (int j = 0; j < G; ++j) ka[j] = qa[j] = vec<T>{};
       for (int64_t i = 0; i < K; i += L) {
         const vec<T> ak = vload<T, T>(P.ak + i, L), q = vload<T, T>(P.q + i, L);
+        P.next.fetch(G * L * sizeof(Src));
 #pragma GCC unroll 4
         for (int j = 0; j < G; ++j) {
           const vec<T> s = vload<T, Src>(src + (j0 + j) * sld + i, L);
@@ -643,6 +661,12 @@ void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int6
   Prep<T> P{pb, pb + K, pb + 2 * K, pb + 3 * K, 0, 0};
   if (Tn == 1) {  // decode: read the slice once, write it once, straight from src to its target
     prep_token<T>(A, t0, hv, P);
+    // A unit of a whole head is followed in its thread's range by the next head's (the driver's
+    // order), which sits right after this one in the same state row.
+    if (src != nullptr && c0 == 0 && c1 == V && hv + 1 < A.HV) {
+      const uintptr_t next = reinterpret_cast<uintptr_t>(src + K * V);
+      P.next = Ahead{next, next + K * V * sizeof(Src)};
+    }
     Src* snap = snap_at(0);
     if (snap != nullptr) {
       step<T, Src, Src>(A, P, t0, hv, c0, c1, src, ld, snap, ld);

@@ -224,7 +224,9 @@ struct Ahead {
   // The next `bytes` (a constant at every call: the loop unrolls).
   __attribute__((always_inline)) inline void fetch(uintptr_t bytes) {
     if (p >= end) return;
-    for (uintptr_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const void*>(p + b), 0, 2);
+    for (uintptr_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(p + b), 0, 2);
+    }
     p += bytes;
   }
 };
@@ -620,7 +622,8 @@ struct Buffer {  // 64-byte aligned heap memory, freed on scope exit
 };
 
 template <typename T, typename Src, typename Dst>
-void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int64_t c1) {
+void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int64_t c1,
+                bool next_head) {
   const int64_t K = A.K, V = A.V;
   const int64_t head = hv * K * V;  // offset of head hv inside a state row
   // Row strides of one head's [K, V] (or [V, K]) block.
@@ -661,9 +664,9 @@ void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int6
   Prep<T> P{pb, pb + K, pb + 2 * K, pb + 3 * K, 0, 0};
   if (Tn == 1) {  // decode: read the slice once, write it once, straight from src to its target
     prep_token<T>(A, t0, hv, P);
-    // A unit of a whole head is followed in its thread's range by the next head's (the driver's
-    // order), which sits right after this one in the same state row.
-    if (src != nullptr && c0 == 0 && c1 == V && hv + 1 < A.HV) {
+    // The next head's block sits right after this one in the same state row. (Only the thread's
+    // own next unit: another thread's block would be pulled out of that core's cache.)
+    if (next_head && src != nullptr && hv + 1 < A.HV) {
       const uintptr_t next = reinterpret_cast<uintptr_t>(src + K * V);
       P.next = Ahead{next, next + K * V * sizeof(Src)};
     }
@@ -711,32 +714,37 @@ void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int6
 
 // The destination's storage type, for a given source storage type.
 template <typename T, typename Src>
-void unit_dst(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int64_t c1) {
+void unit_dst(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int64_t c1,
+              bool next_head) {
   switch (A.dst_type) {
     case StateType::kBF16:
-      return unit_typed<T, Src, bf16>(A, n, hv, c0, c1);
+      return unit_typed<T, Src, bf16>(A, n, hv, c0, c1, next_head);
     case StateType::kF32:
-      return unit_typed<T, Src, float>(A, n, hv, c0, c1);
+      return unit_typed<T, Src, float>(A, n, hv, c0, c1, next_head);
     case StateType::kF64:
-      if constexpr (std::is_same<T, double>::value) return unit_typed<T, Src, double>(A, n, hv, c0, c1);
+      if constexpr (std::is_same<T, double>::value) {
+        return unit_typed<T, Src, double>(A, n, hv, c0, c1, next_head);
+      }
       break;
   }
   std::abort();  // the op (kernel_state) never passes an fp64 state to the fp32 kernels
 }
 
 template <typename T>
-void unit(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int64_t c1) {
+void unit(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int64_t c1, bool next_head) {
   // Storage types, for the source (pool / initial state) and the destination (pool in place, or
   // the fresh final state): fp32 or bf16, and fp64 for fp64 inputs. An fp32 pool with fp64
   // inputs is addressed as fp32 (never as the compute type: it is written in place, snapshots
   // included). The op converts anything else (only read-only sources).
   switch (A.src_type) {
     case StateType::kBF16:
-      return unit_dst<T, bf16>(A, n, hv, c0, c1);
+      return unit_dst<T, bf16>(A, n, hv, c0, c1, next_head);
     case StateType::kF32:
-      return unit_dst<T, float>(A, n, hv, c0, c1);
+      return unit_dst<T, float>(A, n, hv, c0, c1, next_head);
     case StateType::kF64:
-      if constexpr (std::is_same<T, double>::value) return unit_dst<T, double>(A, n, hv, c0, c1);
+      if constexpr (std::is_same<T, double>::value) {
+        return unit_dst<T, double>(A, n, hv, c0, c1, next_head);
+      }
       break;
   }
   std::abort();

@@ -67,9 +67,12 @@ struct ServingArgs {
 
 struct ServingTable {
   const char* isa;
-  // Sequence n, value head hv, value columns [c0, c1).
-  void (*unit_f32)(const ServingArgs<float>&, int64_t n, int64_t hv, int64_t c0, int64_t c1);
-  void (*unit_f64)(const ServingArgs<double>&, int64_t n, int64_t hv, int64_t c0, int64_t c1);
+  // Sequence n, value head hv, value columns [c0, c1). next_head: the calling thread runs head
+  // hv + 1 of sequence n next (its whole columns), so a decode unit prefetches that head's state.
+  void (*unit_f32)(const ServingArgs<float>&, int64_t n, int64_t hv, int64_t c0, int64_t c1,
+                   bool next_head);
+  void (*unit_f64)(const ServingArgs<double>&, int64_t n, int64_t hv, int64_t c0, int64_t c1,
+                   bool next_head);
 };
 
 // The serving kernels of the instruction set kernels::table() chose.

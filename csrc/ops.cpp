@@ -1247,13 +1247,16 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent(const at::Tensor& q, const at
   // Serving call: the outputs are allocated here (the op writes into them) and the op checks
   // everything before writing.
   KDA_CHECK(v.defined() && v.dim() == 4, "kda::fused_recurrent: v must be 4-D [B, T, HV, V]");
-  const at::Tensor out = o.out ? *o.out : at::empty(v.sizes(), q.options());
+  // From the output cache, as the Python entry's outputs (no page faults per call).
+  const at::Tensor out = o.out ? *o.out : detail::empty_output(v.sizes(), q.options());
   std::optional<at::Tensor> final_state;
   if (!o.inplace_final_state) {
     const int64_t N = o.cu_seqlens ? o.cu_seqlens->size(0) - 1 : q.size(0);
     const auto opts = q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
-    final_state = o.state_v_first ? at::empty({N, v.size(2), v.size(3), q.size(3)}, opts)
-                                  : at::empty({N, v.size(2), q.size(3), v.size(3)}, opts);
+    const int64_t HV = v.size(2), K = q.size(3), V = v.size(3);
+    const std::vector<int64_t> shape = o.state_v_first ? std::vector<int64_t>{N, HV, V, K}
+                                                       : std::vector<int64_t>{N, HV, K, V};
+    final_state = detail::empty_output(shape, opts);
   }
   static auto sop = c10::Dispatcher::singleton()
                         .findSchemaOrThrow("kda::fused_recurrent_serving", "")

@@ -16,6 +16,7 @@
 
 #include "cpu/env_knob.h"
 #include "cpu/kernels/serving_kernels.h"
+#include "cpu/output_cache.h"
 
 namespace kda {
 namespace kernels {
@@ -266,7 +267,7 @@ void serving_cpu(const Inputs& in, const Config& cfg, const Dims& d, const Servi
   // The kernels write o in the compute dtype: straight into `out` when it is contiguous and of
   // that dtype, else into a temporary copied over once.
   const bool direct = out.scalar_type() == ct && out.is_contiguous();
-  at::Tensor o = direct ? out : at::empty({d.B, d.T, d.HV, d.V}, in.q.options().dtype(ct));
+  at::Tensor o = direct ? out : empty_output({d.B, d.T, d.HV, d.V}, in.q.options().dtype(ct));
   const at::Tensor s = kernel_state(src, ct);
   if (d.B * d.T > 0 || d.N > 0) {
     if (ct == at::kDouble) {

@@ -1,8 +1,11 @@
 // Serving through the public C++ API (kda::FusedRecurrentOptions' serving fields): a state pool
 // updated in place by slot index equals gathering the states, a plain call and scattering back;
 // unnamed slots are untouched; every rejected call names the argument and leaves the pool as it
-// was; speculative snapshots equal sequential decode steps.
+// was; speculative snapshots equal sequential decode steps; the fresh outputs of a serving call
+// reuse the blocks of earlier calls (no page faults per call).
 #include <kda/kda.h>
+
+#include "cpu/output_cache.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -205,6 +208,40 @@ TEST(ServingBadInput, ValuesOutsideTheDomainAndAliasedOutputsAreRejectedBeforeWr
   const Tensor expanded = pool.slice(0, 0, 1).expand({6, 4, 16, 24});
   alias.initial_state = expanded;
   expect_rejected(alias, d, expanded, "the slots of the state pool (initial_state) overlap");
+}
+
+// A serving call that returns a fresh final state (slots named, not in place) takes it from the
+// output cache, as the plain call does: the second call maps no new block. (It came from
+// at::empty, which glibc serves with a fresh mapping above 128 KB: a page fault per 4 KB of the
+// state on every call.) Its values equal a plain call on the gathered states.
+TEST(ServingOutputs, FreshFinalStateComesFromTheOutputCache) {
+  torch::NoGradGuard no_grad;
+  const int64_t N = 8, H = 2, HV = 4, K = 64, V = 64;  // final state 8 * 4 * 64 * 64 fp32: 512 KB
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  const Tensor q = at::randn({N, 1, H, K}, gen), k = at::randn({N, 1, H, K}, gen);
+  const Tensor v = at::randn({N, 1, HV, V}, gen), g = -at::rand({N, 1, HV, K}, gen);
+  const Tensor beta = at::rand({N, 1, HV}, gen);
+  const Tensor pool = at::randn({N + 2, HV, K, V}, gen) * 0.1;
+  const Tensor slots = at::arange(2, N + 2, at::kLong);
+  kda::FusedRecurrentOptions opts;
+  opts.use_qk_l2norm_in_kernel = true;
+  opts.initial_state = pool;
+  opts.ssm_state_indices = slots;
+  auto call = [&]() { return std::get<1>(kda::fused_recurrent(q, k, v, g, beta, opts)); };
+  call();  // maps the block (or finds one of an earlier test)
+  const kda::detail::OutputCacheStats before = kda::detail::output_cache_stats();
+  const Tensor fin = call();
+  const kda::detail::OutputCacheStats after = kda::detail::output_cache_stats();
+  EXPECT_EQ(after.misses, before.misses);
+  EXPECT_GT(after.hits, before.hits);
+
+  kda::FusedRecurrentOptions plain;
+  plain.use_qk_l2norm_in_kernel = true;
+  plain.initial_state = pool.index_select(0, slots).to(at::kDouble);
+  const Tensor ref = std::get<1>(kda::fused_recurrent(q.to(at::kDouble), k.to(at::kDouble),
+                                                      v.to(at::kDouble), g.to(at::kDouble),
+                                                      beta.to(at::kDouble), plain));
+  EXPECT_LT(rel(fin, ref), 2e-5);
 }
 
 }  // namespace

@@ -212,8 +212,8 @@ TEST(ServingBadInput, ValuesOutsideTheDomainAndAliasedOutputsAreRejectedBeforeWr
 
 // A serving call that returns a fresh final state (slots named, not in place) takes it from the
 // output cache, as the plain call does: the second call maps no new block. (It came from
-// at::empty, which glibc serves with a fresh mapping above 128 KB: a page fault per 4 KB of the
-// state on every call.) Its values equal a plain call on the gathered states.
+// at::empty, which glibc serves from a fresh mapping or from a heap it trims between calls:
+// page faults again on later calls.) Its values equal a plain call on the gathered states.
 TEST(ServingOutputs, FreshFinalStateComesFromTheOutputCache) {
   torch::NoGradGuard no_grad;
   const int64_t N = 8, H = 2, HV = 4, K = 64, V = 64;  // final state 8 * 4 * 64 * 64 fp32: 512 KB

@@ -255,7 +255,9 @@ void run(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& 
       const int64_t n = u / (groups * d.HV);
       const int64_t c0 = std::min(d.V, gi * blocks / groups * kBlock);
       const int64_t c1 = std::min(d.V, (gi + 1) * blocks / groups * kBlock);
-      if (c1 > c0) fn(A, n, hv, c0, c1, groups == 1 && u + 1 < end);
+      // The thread's next unit is head hv + 1 of the same sequence (a decode unit prefetches it).
+      const bool next_head = groups == 1 && u + 1 < end && hv + 1 < d.HV;
+      if (c1 > c0) fn(A, n, hv, c0, c1, next_head);
     }
   });
 }

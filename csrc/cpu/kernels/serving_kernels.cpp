@@ -666,7 +666,7 @@ void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int6
     prep_token<T>(A, t0, hv, P);
     // The next head's block sits right after this one in the same state row. (Only the thread's
     // own next unit: another thread's block would be pulled out of that core's cache.)
-    if (next_head && src != nullptr && hv + 1 < A.HV) {
+    if (next_head && src != nullptr) {
       const uintptr_t next = reinterpret_cast<uintptr_t>(src + K * V);
       P.next = Ahead{next, next + K * V * sizeof(Src)};
     }

@@ -75,25 +75,28 @@ inline vec_t<T> splat(T x) {
   return x - vec_t<T>{};  // x - 0 == x exactly (also for -0), so this is a plain broadcast
 }
 
-// Loads m valid elements (m may be <= 0 or >= lanes); the rest of the vector is zero.
+// Loads m valid elements (m may be <= 0 or >= lanes); the rest of the vector is zero. The
+// whole-vector path has its own variable: a zeroed one shared with the partial path made GCC
+// load through the stack.
 template <typename T>
 inline vec_t<T> load_cols(const T* p, int64_t m) {
-  vec_t<T> r{};
-  if (m >= kLanes<T>) {
+  if (__builtin_expect(m >= kLanes<T>, 1)) {
+    vec_t<T> r;
     std::memcpy(&r, p, sizeof(r));
-  } else {
-    for (int64_t l = 0; l < m; ++l) r[l] = p[l];
+    return r;
   }
+  vec_t<T> r{};
+  for (int64_t l = 0; l < m; ++l) r[l] = p[l];
   return r;
 }
 
 template <typename T>
 inline void store_cols(T* p, const vec_t<T>& x, int64_t m) {
-  if (m >= kLanes<T>) {
+  if (__builtin_expect(m >= kLanes<T>, 1)) {
     std::memcpy(p, &x, sizeof(x));
-  } else {
-    for (int64_t l = 0; l < m; ++l) p[l] = x[l];
+    return;
   }
+  for (int64_t l = 0; l < m; ++l) p[l] = x[l];
 }
 
 #include "cpu/kernels/lane_reduce.h"  // hsum, transpose_reduce, lane_sums (fixed-order lane sums)
@@ -736,9 +739,13 @@ inline void store_slice_tr(T* dst, const T* src, int64_t K, int64_t V, int64_t w
 // Row vectors of the backward sweep and the recompute per step of its row loop (independent
 // accumulators per step; more would not fit the register file with the per-row inputs).
 // The recompute holds three row vectors per step (a, k, the next a k) and no accumulators, so
-// it takes more rows per step: fewer read-modify-writes of the column partials Z.
+// it takes more rows per step: fewer read-modify-writes of the column partials Z (AVX2: 4 row
+// vectors 5-6% faster than 2 in the kernel, benchmarks/bwd_kernel.cpp on a Zen 3).
 #if defined(__AVX512F__)
 constexpr int kRowVecs = 2;
+constexpr int kRecVecs = 4;
+#elif defined(__AVX2__)
+constexpr int kRowVecs = 1;
 constexpr int kRecVecs = 4;
 #else
 constexpr int kRowVecs = 1;
@@ -839,8 +846,10 @@ struct RowGradOut {
 // and/or pass 1 of token n (Derive: c.Sp holds S_{t-2}, and P = a'_i S_{t-2}[i, :] + k'_i u'
 // with token n's rows). With P = S_{t-1}[i, :] and D = H + q do^T of token c:
 //   pass 2: H_{t-1}[i, j] = a_i (D - beta k_i delta_j), and per row, summed over the columns,
-//           P.do, D.u, P.delta, H_{t-1}.P, giving (docs/math.md "Backward")
-//           dq_i = a_i (P.do) + k_i (u.do),  dk_i = D.u - beta a_i (P.delta),  dg_i = H_{t-1}.P
+//           P.do, D.u, P.(beta delta), H_{t-1}.P, giving (docs/math.md "Backward")
+//           dq_i = a_i (P.do) + k_i (u.do),  dk_i = D.u - a_i (P.(beta delta)),  dg_i = H_{t-1}.P
+//           (beta inside the column sum: one broadcast per column less than P.delta, which cost
+//           4-5% of the kernel under AVX2, where every column's scalars are broadcast per step)
 //   pass 1: D' = H_{t-1} + q' do'^T of token n (stored back) and Z[j] (+)= lane partials of
 //           sum_i k'_i D'[i, j] (its delta).
 template <typename T, int NB, bool Pass2, bool Pass1, bool Derive>
@@ -866,8 +875,7 @@ inline void bwd_rows_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t ib, int64_t
   for (int64_t j = 0; j < width; ++j) {
     V Hn[NB];
     if (Pass2) {
-      const V doj = splat<T>(c.dov[j]), uj = splat<T>(c.u[j]), dj = splat<T>(cc.delta[j]);
-      const V bdj = splat<T>(cc.bdelta[j]);
+      const V doj = splat<T>(c.dov[j]), uj = splat<T>(c.u[j]), bdj = splat<T>(cc.bdelta[j]);
       V unj{};
       if (Derive) unj = splat<T>(n.u[j]);
 #pragma GCC unroll 4
@@ -880,7 +888,7 @@ inline void bwd_rows_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t ib, int64_t
         Hn[b] = av[b] * (D - kv[b] * bdj);
         w0[b] += P * doj;
         w1[b] += D * uj;
-        w2[b] += P * dj;
+        w2[b] += P * bdj;
         w3[b] += Hn[b] * P;
       }
     } else {
@@ -903,20 +911,35 @@ inline void bwd_rows_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t ib, int64_t
     }
   }
   if (Pass2) {
-    const V udo = splat<T>(g.udo), bs = splat<T>(c.bs);
+    const V udo = splat<T>(g.udo);
     for (int b = 0; b < NB; ++b) {
       const int64_t i0 = (ib + b) * L, m = K - i0;
       V gq = av[b] * w0[b] + kv[b] * udo;
-      V gk = w1[b] - av[b] * (bs * w2[b]);
+      V gk = w1[b] - av[b] * w2[b];
       V gg = w3[b];
       if (!g.first) {
         gq += load_cols(g.dq + i0, m);
         gk += load_cols(g.dk + i0, m);
         gg += load_cols(g.dg + i0, m);
       }
-      store_cols(g.dq + i0, gq, m);
-      store_cols(g.dk + i0, gk, m);
-      store_cols(g.dg + i0, gg, m);
+      // Not store_cols: its partial path indexes the vector, which kept gq, gk, gg on the stack
+      // (stored there, reloaded, stored again) on every step; a by-value helper was worse still
+      // (1.4x the kernel's time under AVX2, GCC 12).
+      if (m >= L) {
+        std::memcpy(g.dq + i0, &gq, sizeof(gq));
+        std::memcpy(g.dk + i0, &gk, sizeof(gk));
+        std::memcpy(g.dg + i0, &gg, sizeof(gg));
+      } else {
+        T lanes[3][L];
+        std::memcpy(lanes[0], &gq, sizeof(gq));
+        std::memcpy(lanes[1], &gk, sizeof(gk));
+        std::memcpy(lanes[2], &gg, sizeof(gg));
+        for (int64_t l = 0; l < m; ++l) {
+          g.dq[i0 + l] = lanes[0][l];
+          g.dk[i0 + l] = lanes[1][l];
+          g.dg[i0 + l] = lanes[2][l];
+        }
+      }
     }
   }
 }
@@ -1060,6 +1083,13 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
     const BwdToken<T>& cur = tok[ci];
     BwdToken<T>& nxt = tok[ci ^ 1];
     const V b = splat<T>(cur.bs);
+    // The rows of token t - 2 (the sweep after next reads them first): from L2 otherwise, and
+    // each step of the sweep's row loop waited for its four row vectors (~2% of the kernel, AVX2).
+    if (t - 2 >= s0) {
+      prefetch_cols(a_h + (t - 2) * K, K, false);
+      prefetch_cols(k_h + (t - 2) * K, K, false);
+      prefetch_cols(q_h + (t - 2) * K, K, false);
+    }
     if (t - kPrefetchTokens >= s0) {
       const int64_t tp = t - kPrefetchTokens;
       prefetch_cols(A.dout + ((tp - vsh) * HV + hv) * Vd + j0, width, false);

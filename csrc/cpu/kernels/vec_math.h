@@ -14,7 +14,7 @@
 #include <type_traits>
 #include <utility>
 
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -39,7 +39,7 @@ inline VF per_lane(VF x, F f) {
 }
 
 // The float functions take N vectors and run every step for all N before the next one
-// (vexp_n, vlog_1_2_n, vsoftplus_sigmoid_n, vsoftplus_n, vsigmoid_n): the N dependency chains
+// (vexp_n, vsoftplus_sigmoid_n, vsoftplus_n, vsigmoid_n): the N dependency chains
 // then lie side by side in program order and the core overlaps them. One vector at a time, each
 // softplus and exp is a chain of ~90 dependent operations, and the pre-processing pass ran at
 // about a third of the FP ports' throughput. Each lane still goes through the same operations in
@@ -47,7 +47,11 @@ inline VF per_lane(VF x, F f) {
 // vsoftplus, vsigmoid) are N = 1.
 
 // exp: Cephes-style range reduction x = n ln2 + r and a degree-6 polynomial (about 1 ulp);
-// below -87.5 it underflows to 0 and above 88.75 overflows to inf, as exp does in fp32.
+// below -87.5 it underflows to 0 and above 88.75 overflows to inf, as exp does in fp32; from 88
+// to 88.75 it returns exp(88) (the reduction is clamped at 88; the gates only exponentiate
+// arguments <= 0, and a sigmoid's exp(-z) there only moves a result below 1e-38). Under AVX2
+// (8 floats) the floor of n is one vroundps instead of two conversions, a compare and a
+// correction: the same n.
 // With AVX-512 (16 floats), n = floor(t) is one vrndscaleps and y * 2^n one vscalefps, instead
 // of two conversions, a compare and a correction for the floor and an integer assembly of 2^n
 // and a multiply: the same values (floor and a product by a power of two are exact, and
@@ -63,6 +67,11 @@ inline void vexp_n(VF (&x)[N]) {
 #else
     constexpr bool kScalef = false;
 #endif
+#if defined(__AVX__)
+    constexpr bool kRound = !kScalef && sizeof(VF) == sizeof(__m256);
+#else
+    constexpr bool kRound = false;
+#endif
     const VF zero{};
     VF nf[N], r[N], p[N];
     VI n[N];
@@ -73,6 +82,11 @@ inline void vexp_n(VF (&x)[N]) {
 #if defined(__AVX512F__)
         nf[c] = (VF)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 #endif
+      } else if constexpr (kRound) {
+#if defined(__AVX__)
+        nf[c] = (VF)__builtin_ia32_roundps256((__m256)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#endif
+        n[c] = __builtin_convertvector(nf[c], VI);
       } else {
         n[c] = __builtin_convertvector(t, VI);
         n[c] -= (__builtin_convertvector(n[c], VF) > t) ? VI{} + 1 : VI{};  // floor
@@ -113,61 +127,17 @@ inline VF vexp(VF x) {
   return a[0];
 }
 
-// log for float u in [1, 2] (softplus only needs log(1 + y), y in (0, 1]): Cephes logf
-// polynomial. u = m 2^e with m in [0.5, 1): from the bits, or with AVX-512 (16 floats) from
-// vgetmantps and vgetexpps (the same m and e, as floats: fewer integer operations). Into out.
-template <int N, typename VF>
-inline void vlog_1_2_n(const VF (&u)[N], VF (&out)[N]) {
-  using VI = decltype(u[0] < u[0]);
-#if defined(__AVX512F__)
-  constexpr bool kGetmant = sizeof(VF) == sizeof(__m512);
-#else
-  constexpr bool kGetmant = false;
-#endif
-  VF ef[N], x[N], z[N], y[N];
-  for (int c = 0; c < N; ++c) {
-    VF m;
-    if constexpr (kGetmant) {
-#if defined(__AVX512F__)
-      m = (VF)_mm512_getmant_ps((__m512)u[c], _MM_MANT_NORM_p5_1, _MM_MANT_SIGN_src);
-      ef[c] = (VF)_mm512_getexp_ps((__m512)u[c]) + 1.0f;  // getexp is floor(log2 u), m in [1, 2)
-#endif
-    } else {
-      VI bits;
-      std::memcpy(&bits, &u[c], sizeof(bits));
-      const VI e = ((bits >> 23) & 0xff) - 126;
-      const VI mb = (bits & 0x7fffff) | 0x3f000000;  // mantissa in [0.5, 1)
-      std::memcpy(&m, &mb, sizeof(m));
-      ef[c] = __builtin_convertvector(e, VF);
-    }
-    const auto small = m < 0.707106781186547524f;
-    ef[c] = small ? ef[c] - 1.0f : ef[c];
-    x[c] = small ? m + m - 1.0f : m - 1.0f;
-    z[c] = x[c] * x[c];
-  }
-  for (int c = 0; c < N; ++c) y[c] = VF{} + 7.0376836292e-2f;
-  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] - 1.1514610310e-1f;
-  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] + 1.1676998740e-1f;
-  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] - 1.2420140846e-1f;
-  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] + 1.4249322787e-1f;
-  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] - 1.6668057665e-1f;
-  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] + 2.0000714765e-1f;
-  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] - 2.4999993993e-1f;
-  for (int c = 0; c < N; ++c) y[c] = y[c] * x[c] + 3.3333331174e-1f;
-  for (int c = 0; c < N; ++c) {
-    VF w = y[c] * x[c] * z[c];
-    w += ef[c] * -2.12194440e-4f;
-    w += z[c] * -0.5f;
-    const VF xx = x[c] + w;
-    out[c] = xx + ef[c] * 0.693359375f;
-  }
-}
-
 // softplus(z) = max(z, 0) + log1p(exp(-|z|)) (z > 20 gives z, the reference's threshold), and
 // in sig the sigmoid of z from the same terms: 1 / w for z >= 0, y / w for z < 0 (w = 1 + y,
-// y = exp(-|z|)), so the backward's pre-processing, which needs both, spends one exp and one
-// division on them instead of two each (vsigmoid). NaN propagates through both. In place:
-// z[c] becomes softplus(z[c]).
+// y = exp(-|z|)), so the backward's pre-processing, which needs both, spends one exp on them
+// instead of two (vsigmoid). log1p(y), y in [0, 1], is 2 atanh(s) with s = y / (2 + y) in
+// [0, 1/3]: an odd series to s^15 (the next term is below 2^-26 of s), with the rounding of 2 + y
+// corrected; within 2.3 ulp of libm for softplus (tests/cpp/test_vec_math.cpp), against ~2 for
+// the Cephes logf polynomial of log(1 + y) it replaced (exponent and mantissa split, a degree-9
+// polynomial, a division for the rounding of 1 + y): the pre-processing pass in 0.67-0.71x its
+// time under AVX2
+// (benchmarks/prep_kernel.cpp, Zen 3 and Xeon) and 0.97x under AVX-512. NaN propagates through
+// both. In place: z[c] becomes softplus(z[c]).
 template <int N, typename VF>
 inline void vsoftplus_sigmoid_n(VF (&z)[N], VF (&sig)[N]) {
   if constexpr (std::is_same_v<vm_elem_t<VF>, double>) {
@@ -177,18 +147,31 @@ inline void vsoftplus_sigmoid_n(VF (&z)[N], VF (&sig)[N]) {
     }
   } else {
     const VF zero{};
-    VF y[N], w[N], l[N];
+    VF y[N], s[N], q[N], p[N];
     for (int c = 0; c < N; ++c) y[c] = -(z[c] < 0.0f ? -z[c] : z[c]);
     vexp_n<N>(y);
-    for (int c = 0; c < N; ++c) w[c] = 1.0f + y[c];
-    vlog_1_2_n<N>(w, l);
+    // log1p(y) = 2 atanh(s), s = y / (2 + y) in [0, 1/3]: s + s^3/3 + ... + s^15/15 (the next
+    // term is below 2^-26 of s)
     for (int c = 0; c < N; ++c) {
-      const VF rw = 1.0f / w[c];
-      // log1p(y) = log(w) - ((w - 1) - y) / w  (corrects the rounding of 1 + y)
-      const VF l1p = l[c] - ((w[c] - 1.0f) - y[c]) * rw;
+      const VF d = 2.0f + y[c];
+      const VF e = (2.0f - d) + y[c];  // the rounding of 2 + y, exactly (2 >= y)
+      s[c] = y[c] / d;
+      s[c] -= s[c] * e * ((1.0f - s[c]) * 0.5f);  // y / (d + e): 1 / d = (1 - s) / 2
+      q[c] = s[c] * s[c];
+    }
+    for (int c = 0; c < N; ++c) p[c] = q[c] * (1.0f / 15) + 1.0f / 13;
+    for (int c = 0; c < N; ++c) p[c] = p[c] * q[c] + 1.0f / 11;
+    for (int c = 0; c < N; ++c) p[c] = p[c] * q[c] + 1.0f / 9;
+    for (int c = 0; c < N; ++c) p[c] = p[c] * q[c] + 1.0f / 7;
+    for (int c = 0; c < N; ++c) p[c] = p[c] * q[c] + 1.0f / 5;
+    for (int c = 0; c < N; ++c) p[c] = p[c] * q[c] + 1.0f / 3;
+    for (int c = 0; c < N; ++c) {
+      const VF s2 = s[c] + s[c];
+      const VF l1p = s2 + s2 * (q[c] * p[c]);
+      const VF rw = 1.0f / (1.0f + y[c]);
       sig[c] = z[c] < 0.0f ? y[c] * rw : rw;
-      const VF s = (z[c] > 0.0f ? z[c] : zero) + l1p;
-      z[c] = z[c] > 20.0f ? z[c] : s;
+      const VF sp = (z[c] > 0.0f ? z[c] : zero) + l1p;
+      z[c] = z[c] > 20.0f ? z[c] : sp;
     }
   }
 }

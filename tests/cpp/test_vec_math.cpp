@@ -1,0 +1,111 @@
+// The pre-processing's float math (csrc/cpu/kernels/vec_math.h) on every instruction set this CPU
+// runs (tests/cpp/vec_math_cases.cpp evaluates it per ISA), against double-precision libm: the
+// gate's softplus, its sigmoid and the decay's exp within a few units in the last place over wide
+// and near-zero inputs, the overflow and underflow edges, infinities, and NaN propagated.
+#include "vec_math_cases.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using kda::kernels::kVecMathBlock;
+using EvalFn = void (*)(const float*, int64_t, float*, float*, float*, float*);
+
+struct Isa {
+  std::string name;
+  bool runs;  // this CPU has the instructions (the condition of csrc/cpu/isa_dispatch.cpp)
+  EvalFn eval;
+};
+
+std::vector<Isa> isas() {
+  std::vector<Isa> v;
+#if defined(KDA_HAVE_X86_ISAS)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq");
+  v.push_back({"avx512", avx512, &kda::kernels::avx512::vec_math_eval});
+  v.push_back({"avx2", avx2, &kda::kernels::avx2::vec_math_eval});
+#endif
+  v.push_back({"generic", true, &kda::kernels::generic::vec_math_eval});
+  return v;
+}
+
+// |got - ref| in units of the last place of ref rounded to float. Results below the smallest
+// normal float count as exact when both are (the functions flush there, as documented).
+double ulps(float got, double ref) {
+  if (std::isnan(ref)) return std::isnan(got) ? 0 : 1e30;
+  if (std::isinf(ref)) return got == static_cast<float>(ref) ? 0 : 1e30;
+  const float r = static_cast<float>(ref);
+  const float tiny = std::numeric_limits<float>::min();
+  if (std::fabs(r) < tiny) return std::fabs(got) < tiny ? 0 : 1e30;
+  const double ulp = std::nextafter(std::fabs(r), INFINITY) - std::fabs(r);
+  return std::fabs(got - ref) / ulp;
+}
+
+// Uniform over [-60, 60], normal around 0, the edges, infinities; one NaN at the end, then padding.
+std::vector<float> inputs(uint32_t seed, int64_t* n_checked) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> wide(-60.0f, 60.0f);
+  std::normal_distribution<float> around0(0.0f, 3.0f);
+  std::vector<float> x;
+  for (int i = 0; i < 200000; ++i) x.push_back(wide(rng));
+  for (int i = 0; i < 200000; ++i) x.push_back(around0(rng));
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float e : {0.0f, -0.0f, 1e-30f, -1e-30f, 19.9999f, 20.0f, 20.0001f, -87.0f, -87.5f, -88.0f,
+                  -100.0f, 88.0f, 88.7f, 89.0f, 1e30f, -1e30f, inf, -inf}) {
+    x.push_back(e);
+  }
+  *n_checked = static_cast<int64_t>(x.size());
+  x.push_back(std::numeric_limits<float>::quiet_NaN());
+  while (x.size() % kVecMathBlock != 0) x.push_back(0.5f);
+  return x;
+}
+
+TEST(VecMath, SoftplusSigmoidExpWithinAFewUlpOnEveryIsaThisCpuRuns) {
+  int ran = 0;
+  for (const Isa& isa : isas()) {
+    if (!isa.runs) continue;
+    ++ran;
+    for (uint32_t seed : {1u, 2u}) {
+      SCOPED_TRACE(isa.name + " seed " + std::to_string(seed));
+      int64_t n_checked = 0;
+      const std::vector<float> x = inputs(seed, &n_checked);
+      const int64_t n = static_cast<int64_t>(x.size());
+      std::vector<float> sp(n), sp2(n), sig(n), ex(n);
+      isa.eval(x.data(), n, sp.data(), sp2.data(), sig.data(), ex.data());
+      double sp_ulp = 0, sig_ulp = 0, ex_ulp = 0;
+      int64_t forms_differ = 0;
+      for (int64_t i = 0; i < n_checked; ++i) {
+        const double z = x[i];
+        // softplus keeps z above 20, as torch.nn.functional.softplus does
+        sp_ulp = std::fmax(sp_ulp, ulps(sp[i], z > 20.0 ? z : std::log1p(std::exp(z))));
+        sig_ulp = std::fmax(sig_ulp, ulps(sig[i], 1.0 / (1.0 + std::exp(-z))));
+        // exp is accurate up to 88 (its range reduction is clamped there); from 88 to 88.75 it
+        // returns exp(88), above that inf. The gates only exponentiate arguments <= 0, and a
+        // sigmoid's exp(-z) beyond 88 only moves a result below 1e-38.
+        const double want = z <= 88.0 ? std::exp(z) : (z > 88.75 ? INFINITY : std::exp(88.0));
+        ex_ulp = std::fmax(ex_ulp, ulps(ex[i], want));
+        forms_differ += sp2[i] != sp[i];
+      }
+      EXPECT_LE(ex_ulp, 1.5);   // a degree-6 polynomial after Cephes' range reduction
+      EXPECT_LE(sp_ulp, 3.0);   // log1p through atanh's series, on the exp above
+      EXPECT_LE(sig_ulp, 3.0);  // from the same exp and one division
+      EXPECT_EQ(forms_differ, 0) << "vsoftplus_n and vsoftplus_sigmoid_n disagree";
+      const int64_t nan_at = n_checked;
+      EXPECT_TRUE(std::isnan(sp[nan_at]) && std::isnan(sp2[nan_at]) && std::isnan(sig[nan_at]) &&
+                  std::isnan(ex[nan_at]));
+    }
+  }
+  EXPECT_GE(ran, 1);  // generic always runs
+}
+
+}  // namespace

@@ -3,8 +3,8 @@
 // side in one process (an A/B of a kernel change that the shared box's noise cannot blur: the two
 // builds alternate call by call on the same inputs).
 //
-// Inputs as benchmarks/fwd_kernel.cpp (unit-norm k, q scaled by K^-1/2, beta = 0.5, benchmark-like
-// decays), B = 1, H = 4, K = V = 128, one thread, every sequence in one range; the checkpoints come
+// Inputs as benchmarks/fwd_kernel.cpp (benchmarks/kernel_inputs.h, gate strength 1/8),
+// B = 1, H = 4, K = V = 128, one thread, every sequence in one range; the checkpoints come
 // from the same build's forward, the cotangents (grad_o, grad of the final state) are N(0, 1).
 // Prints per build the best of the calls (process CPU time): ms, GFLOP/s at 24 K V FLOPs per token
 // and head (the backward's share of benchmark.Shape.flops), ns per state row and token; with two
@@ -23,6 +23,7 @@
 // leave out KDA_ISA_B and b.o. AVX-512: the flags of cmake/KdaKernels.cmake.
 #include "cpu/kernels/recurrent_kernels.h"
 #include "cpu_clock.h"
+#include "kernel_inputs.h"
 
 #include <algorithm>
 #include <cmath>
@@ -53,16 +54,6 @@ using kda::kernels::FwdArgs;
 using kda::kernels::Table;
 
 constexpr int64_t H = 4, K = 128, V = 128, kSlices = V / kda::kernels::kBwdSlice;
-
-// 64-byte aligned scratch of n floats.
-struct Scratch {
-  std::vector<float> buf;
-  float* p;
-  explicit Scratch(int64_t n) : buf(n + 16) {
-    p = buf.data();
-    while (reinterpret_cast<uintptr_t>(p) % 64) ++p;
-  }
-};
 
 // The gradients one build's backward writes (same shapes as BwdArgs: one partial, p = 0).
 struct Grads {
@@ -101,31 +92,10 @@ int main(int argc, char** argv) {
   using namespace kda::kernels;
   const int64_t T = argc > 1 ? std::atoll(argv[1]) : 4096;
   const int calls = argc > 2 ? std::atoi(argv[2]) : 15;
-  std::mt19937 rng(1);
-  std::normal_distribution<float> nd;
-  // Pre-processed layouts of recurrent_kernels.h: q, k, a, ak [H, T, K]; beta [H, T]; v, o [T, H, V].
-  std::vector<float> q(H * T * K), k(H * T * K), a(H * T * K), ak(H * T * K), beta(H * T, 0.5f),
-      v(T * H * V), o(T * H * V), ht(H * K * V), dout(T * H * V), dht(H * K * V);
-  for (int64_t h = 0; h < H; ++h) {
-    for (int64_t t = 0; t < T; ++t) {
-      float nq = 0, nk = 0;
-      const int64_t x0 = (h * T + t) * K;
-      for (int64_t i = 0; i < K; ++i) {
-        q[x0 + i] = nd(rng);
-        k[x0 + i] = nd(rng);
-        nq += q[x0 + i] * q[x0 + i];
-        nk += k[x0 + i] * k[x0 + i];
-      }
-      for (int64_t i = 0; i < K; ++i) {
-        q[x0 + i] /= std::sqrt(nq * K);
-        k[x0 + i] /= std::sqrt(nk);
-        a[x0 + i] = std::exp(-(h + 1) * std::log1p(std::exp(nd(rng))) / 8);
-        ak[x0 + i] = a[x0 + i] * k[x0 + i];
-      }
-    }
-  }
-  for (auto* x : {&v, &dout, &dht}) {
-    for (auto& e : *x) e = nd(rng);
+  KernelInputs in(H, T, K, V, 0.125f);
+  std::vector<float> o(T * H * V), ht(H * K * V), dout(T * H * V), dht(H * K * V);
+  for (auto* x : {&dout, &dht}) {
+    for (auto& e : *x) e = in.nd(in.rng);
   }
   const int64_t slots = (T + kChunk - 1) / kChunk;
   std::vector<float> ckpt(slots * H * K * V);
@@ -135,18 +105,18 @@ int main(int argc, char** argv) {
   F.seqs.seq_start = &start, F.seqs.seq_end = &end, F.seqs.origin = &origin;
   F.seqs.slot_base = &slot_base;
   F.BT = T, F.H = H, F.HV = H, F.K = K, F.V = V;
-  F.q = q.data(), F.k = k.data(), F.a = a.data(), F.ak = ak.data(), F.beta = beta.data();
-  F.v = v.data(), F.o = o.data(), F.ht = ht.data(), F.ckpt = ckpt.data();
+  F.q = in.q.data(), F.k = in.k.data(), F.a = in.a.data(), F.ak = in.ak.data();
+  F.beta = in.beta.data(), F.v = in.v.data(), F.o = o.data(), F.ht = ht.data(), F.ckpt = ckpt.data();
   const Table& ta = KDA_ISA::get();
   {
-    Scratch fs(fwd_scratch_elems(K, V / kFwdSlice));
+    AlignedFloats fs(fwd_scratch_elems(K, V / kFwdSlice));
     for (int64_t hv = 0; hv < H; ++hv) ta.fwd_f32(F, 0, hv, 0, V / kFwdSlice, 0, T, fs.p);
   }
   BwdArgs<float> B;
   static_cast<RecurrenceInputs<float>&>(B) = static_cast<const RecurrenceInputs<float>&>(F);
   B.ckpt = ckpt.data(), B.dout = dout.data(), B.dht = dht.data();
   B.group_stride = T * H * K, B.group_stride_beta = T * H;
-  Scratch ws(bwd_scratch_elems(K, kSlices));
+  AlignedFloats ws(bwd_scratch_elems(K, kSlices));
 
   std::vector<const Table*> builds = {&ta};
 #ifdef KDA_ISA_B

@@ -18,6 +18,7 @@
 // (KDA_ISA=avx2 with -mavx2 -mfma -mf16c, or generic without flags, for the other kernels.)
 #include "cpu/kernels/recurrent_kernels.h"
 #include "cpu_clock.h"
+#include "kernel_inputs.h"
 
 #include <immintrin.h>
 
@@ -67,30 +68,8 @@ int main(int argc, char** argv) {
   const int64_t H = 4, K = 128, V = 128;
   const int64_t T = argc > 1 ? std::atoll(argv[1]) : 1024;
   const float strength = argc > 2 ? static_cast<float>(std::atof(argv[2])) : 1.0f;
-  std::mt19937 rng(1);
-  std::normal_distribution<float> nd;
-  // Pre-processed layouts of recurrent_kernels.h: q, k, a, ak [H, T, K]; beta [H, T]; v, o [T, H, V].
-  std::vector<float> q(H * T * K), k(H * T * K), a(H * T * K), ak(H * T * K), beta(H * T, 0.5f),
-      v(T * H * V), o(T * H * V), ht(H * K * V);
-  for (int64_t h = 0; h < H; ++h) {
-    for (int64_t t = 0; t < T; ++t) {
-      float nq = 0, nk = 0;
-      const int64_t x0 = (h * T + t) * K;
-      for (int64_t i = 0; i < K; ++i) {
-        q[x0 + i] = nd(rng);
-        k[x0 + i] = nd(rng);
-        nq += q[x0 + i] * q[x0 + i];
-        nk += k[x0 + i] * k[x0 + i];
-      }
-      for (int64_t i = 0; i < K; ++i) {
-        q[x0 + i] /= std::sqrt(nq * K);
-        k[x0 + i] /= std::sqrt(nk);
-        a[x0 + i] = std::exp(-strength * (h + 1) * std::log1p(std::exp(nd(rng))));
-        ak[x0 + i] = a[x0 + i] * k[x0 + i];
-      }
-    }
-  }
-  for (auto& x : v) x = nd(rng);
+  KernelInputs in(H, T, K, V, strength);
+  std::vector<float> o(T * H * V), ht(H * K * V);
   int64_t start = 0, end = T, origin = 0, slot_base = 0;
   FwdArgs<float> A;
   A.seqs.n_seq = 1;
@@ -99,12 +78,11 @@ int main(int argc, char** argv) {
   A.seqs.origin = &origin;
   A.seqs.slot_base = &slot_base;
   A.BT = T, A.H = H, A.HV = H, A.K = K, A.V = V;
-  A.q = q.data(), A.k = k.data(), A.a = a.data(), A.ak = ak.data(), A.beta = beta.data();
-  A.v = v.data(), A.o = o.data(), A.ht = ht.data();
+  A.q = in.q.data(), A.k = in.k.data(), A.a = in.a.data(), A.ak = in.ak.data();
+  A.beta = in.beta.data(), A.v = in.v.data(), A.o = o.data(), A.ht = ht.data();
   const int64_t n_slices = V / kFwdSlice;
-  std::vector<float> scratch(fwd_scratch_elems(K, n_slices) + 16);
-  float* ws = scratch.data();
-  while (reinterpret_cast<uintptr_t>(ws) % 64) ++ws;
+  AlignedFloats scratch(fwd_scratch_elems(K, n_slices));
+  float* ws = scratch.p;
   const Table& tab = KDA_ISA::get();
   double best = 1e30;
   for (int rep = 0; rep < 15; ++rep) {

@@ -22,6 +22,7 @@
 // (KDA_ISA=avx2 with -mavx2 -mfma -mf16c, or generic without flags, for the other kernels.)
 #include "cpu/kernels/recurrent_kernels.h"
 #include "cpu_clock.h"
+#include "kernel_inputs.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,20 +33,10 @@
 
 namespace {
 
-// 64-byte aligned storage (the op's tensors are).
-struct Buf {
-  std::vector<float> v;
-  float* p;
-  explicit Buf(size_t n) : v(n + 16) {
-    p = v.data();
-    while (reinterpret_cast<uintptr_t>(p) % 64) ++p;
-  }
-};
-
 // GB/s of one thread summing 64 MB (8 independent sums).
 double read_rate() {
   const size_t n = size_t(16) << 20;
-  Buf x(n);
+  AlignedFloats x(n);
   for (size_t i = 0; i < n; ++i) x.p[i] = 1.0f + (i & 7);
   double best = 0;
   float sink = 0;
@@ -75,13 +66,13 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   // Raw inputs [T, H, K] (q, k, g) and [T, H] (beta), as the op reads them.
-  Buf q(Ts * H * K), k(Ts * H * K), g(Ts * H * K), beta(Ts * H), bias(H * K), expA(H);
+  AlignedFloats q(Ts * H * K), k(Ts * H * K), g(Ts * H * K), beta(Ts * H), bias(H * K), expA(H);
   for (int64_t i = 0; i < Ts * H * K; ++i) q.p[i] = nd(rng), k.p[i] = nd(rng), g.p[i] = nd(rng);
   for (int64_t i = 0; i < Ts * H; ++i) beta.p[i] = nd(rng);
   for (int64_t i = 0; i < H * K; ++i) bias.p[i] = 0.5f * nd(rng);
   for (int64_t h = 0; h < H; ++h) expA.p[h] = std::exp(2.7f * (h + 0.5f) / H);
   const int64_t rows = std::max(Tc, block);
-  Buf qo(H * rows * K), ko(H * rows * K), ao(H * rows * K), ako(H * rows * K), bo(H * rows);
+  AlignedFloats qo(H * rows * K), ko(H * rows * K), ao(H * rows * K), ako(H * rows * K), bo(H * rows);
 
   PrepArgs<float> P;
   P.H = H, P.HV = H, P.K = K;
@@ -117,7 +108,7 @@ int main(int argc, char** argv) {
   // The last block's outputs, for a bitwise comparison of two builds (optional 4th argument).
   if (argc > 4) {
     if (FILE* f = std::fopen(argv[4], "wb")) {
-      for (const Buf* b : {&qo, &ko, &ao, &ako, &bo}) {
+      for (const AlignedFloats* b : {&qo, &ko, &ao, &ako, &bo}) {
         std::fwrite(b->p, sizeof(float), b == &bo ? H * rows : H * rows * K, f);
       }
       std::fclose(f);

@@ -131,13 +131,12 @@ inline VF vexp(VF x) {
 // in sig the sigmoid of z from the same terms: 1 / w for z >= 0, y / w for z < 0 (w = 1 + y,
 // y = exp(-|z|)), so the backward's pre-processing, which needs both, spends one exp on them
 // instead of two (vsigmoid). log1p(y), y in [0, 1], is 2 atanh(s) with s = y / (2 + y) in
-// [0, 1/3]: an odd series to s^15 (the next term is below 2^-26 of s), with the rounding of 2 + y
+// [0, 1/3]: an odd series to s^15 (the next term is below 2^-29 of s), with the rounding of 2 + y
 // corrected; within 2.3 ulp of libm for softplus (tests/cpp/test_vec_math.cpp), against ~2 for
 // the Cephes logf polynomial of log(1 + y) it replaced (exponent and mantissa split, a degree-9
-// polynomial, a division for the rounding of 1 + y): the pre-processing pass in 0.67-0.71x its
-// time under AVX2
-// (benchmarks/prep_kernel.cpp, Zen 3 and Xeon) and 0.97x under AVX-512. NaN propagates through
-// both. In place: z[c] becomes softplus(z[c]).
+// polynomial, a division for the rounding of 1 + y). That made the pre-processing pass
+// 0.69-0.72x its time under AVX2 and 0.97x under AVX-512 (benchmarks/prep_kernel.cpp). NaN
+// propagates through both. In place: z[c] becomes softplus(z[c]).
 template <int N, typename VF>
 inline void vsoftplus_sigmoid_n(VF (&z)[N], VF (&sig)[N]) {
   if constexpr (std::is_same_v<vm_elem_t<VF>, double>) {
@@ -150,8 +149,7 @@ inline void vsoftplus_sigmoid_n(VF (&z)[N], VF (&sig)[N]) {
     VF y[N], s[N], q[N], p[N];
     for (int c = 0; c < N; ++c) y[c] = -(z[c] < 0.0f ? -z[c] : z[c]);
     vexp_n<N>(y);
-    // log1p(y) = 2 atanh(s), s = y / (2 + y) in [0, 1/3]: s + s^3/3 + ... + s^15/15 (the next
-    // term is below 2^-26 of s)
+    // log1p(y) = 2 atanh(s), s = y / (2 + y) in [0, 1/3]: s + s^3/3 + ... + s^15/15
     for (int c = 0; c < N; ++c) {
       const VF d = 2.0f + y[c];
       const VF e = (2.0f - d) + y[c];  // the rounding of 2 + y, exactly (2 >= y)

@@ -11,22 +11,14 @@
 
 #include <cstring>
 
-#if defined(__AVX512F__)
-#define KDA_VM_BYTES 64
-#elif defined(__AVX2__)
-#define KDA_VM_BYTES 32
-#else
-#define KDA_VM_BYTES 64
-#endif
-
 namespace kda {
 namespace kernels {
 namespace KDA_ISA {
 
 void vec_math_eval(const float* x, int64_t n, float* softplus, float* softplus_with_sig,
                    float* sigmoid, float* exp) {
-  typedef float VF __attribute__((vector_size(KDA_VM_BYTES)));
-  constexpr int64_t kLanes = KDA_VM_BYTES / 4;
+  typedef float VF __attribute__((vector_size(KDA_VEC_BYTES)));
+  constexpr int64_t kLanes = KDA_VEC_BYTES / 4;
   constexpr int kGroup = 8;  // vectors per call, as the pre-processing pass runs them
   static_assert(kVecMathBlock % (kGroup * kLanes) == 0, "blocks of whole groups");
   for (int64_t i = 0; i < n; i += kGroup * kLanes) {

@@ -1,8 +1,8 @@
 // Fused recurrent KDA: forward and backward inner loops for one unit of work.
 //
 // Compiled once per instruction set (KDA_ISA = avx512 | avx2 | generic, see cmake/KdaKernels.cmake).
-// The code is written with GCC/Clang vector extensions: one "vector" is KDA_VEC_BYTES bytes, the
-// register width of the instruction set: 64 (one zmm) with AVX-512, 32 (one ymm) with AVX2. Wider
+// The code is written with GCC/Clang vector extensions: one "vector" is KDA_VEC_BYTES bytes
+// (cpu/kernels/vec_math.h), the register width of the instruction set: 64 (one zmm) with AVX-512, 32 (one ymm) with AVX2. Wider
 // vectors than the registers (64-byte vectors under AVX2) made GCC 12 move halves through general
 // registers and the stack: the AVX2 kernels ran at ~10% of the GEMM rate instead of ~75%.
 //
@@ -25,14 +25,6 @@
 
 #ifndef KDA_ISA
 #error "KDA_ISA must name the instruction set this file is compiled for"
-#endif
-
-#if defined(__AVX512F__)
-#define KDA_VEC_BYTES 64
-#elif defined(__AVX2__)
-#define KDA_VEC_BYTES 32
-#else
-#define KDA_VEC_BYTES 64
 #endif
 
 namespace kda {
@@ -90,13 +82,19 @@ inline vec_t<T> load_cols(const T* p, int64_t m) {
   return r;
 }
 
+// The partial path copies x to a lane array: indexing x itself made GCC keep every stored
+// vector on the stack, also on the whole-vector path (the backward sweep's row gradients went
+// register -> stack -> register -> memory at every step). Taking x by value instead made the
+// AVX2 backward kernel 1.4x slower (GCC 12's inlining).
 template <typename T>
 inline void store_cols(T* p, const vec_t<T>& x, int64_t m) {
   if (__builtin_expect(m >= kLanes<T>, 1)) {
     std::memcpy(p, &x, sizeof(x));
     return;
   }
-  for (int64_t l = 0; l < m; ++l) p[l] = x[l];
+  T lanes[kLanes<T>];
+  std::memcpy(lanes, &x, sizeof(x));
+  for (int64_t l = 0; l < m; ++l) p[l] = lanes[l];
 }
 
 #include "cpu/kernels/lane_reduce.h"  // hsum, transpose_reduce, lane_sums (fixed-order lane sums)
@@ -922,24 +920,9 @@ inline void bwd_rows_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t ib, int64_t
         gk += load_cols(g.dk + i0, m);
         gg += load_cols(g.dg + i0, m);
       }
-      // Not store_cols: its partial path indexes the vector, which kept gq, gk, gg on the stack
-      // (stored there, reloaded, stored again) on every step; a by-value helper was worse still
-      // (1.4x the kernel's time under AVX2, GCC 12).
-      if (m >= L) {
-        std::memcpy(g.dq + i0, &gq, sizeof(gq));
-        std::memcpy(g.dk + i0, &gk, sizeof(gk));
-        std::memcpy(g.dg + i0, &gg, sizeof(gg));
-      } else {
-        T lanes[3][L];
-        std::memcpy(lanes[0], &gq, sizeof(gq));
-        std::memcpy(lanes[1], &gk, sizeof(gk));
-        std::memcpy(lanes[2], &gg, sizeof(gg));
-        for (int64_t l = 0; l < m; ++l) {
-          g.dq[i0 + l] = lanes[0][l];
-          g.dk[i0 + l] = lanes[1][l];
-          g.dg[i0 + l] = lanes[2][l];
-        }
-      }
+      store_cols(g.dq + i0, gq, m);
+      store_cols(g.dk + i0, gk, m);
+      store_cols(g.dg + i0, gg, m);
     }
   }
 }

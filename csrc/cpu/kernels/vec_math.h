@@ -22,6 +22,17 @@
 #error "KDA_ISA must name the instruction set this file is compiled for"
 #endif
 
+// The vector width (bytes) of the recurrence kernels and their pre-processing, which run these
+// functions: one zmm under AVX-512, one ymm under AVX2, and 64 bytes (several SSE registers) in
+// the generic kernels. tests/cpp/vec_math_cases.cpp tests the functions at this width.
+#if defined(__AVX512F__)
+#define KDA_VEC_BYTES 64
+#elif defined(__AVX2__)
+#define KDA_VEC_BYTES 32
+#else
+#define KDA_VEC_BYTES 64
+#endif
+
 namespace kda {
 namespace kernels {
 namespace KDA_ISA {

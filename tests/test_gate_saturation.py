@@ -96,3 +96,31 @@ def test_kda_gate_saturated_values_and_gradients():
     gb = torch_kda.kda_gate(zb, torch.tensor([100.0, -1.0]), lower_bound=-2.0)
     expected = -2.0 * (torch.sign(zb[:, 0]) + 1) / 2
     assert torch.equal(gb[:, 0], expected)
+
+
+SLOPE_RUNS = dict(RUNS, native_recurrent=lambda p: torch_kda.fused_recurrent_kda(
+    *p.args, **p.kwargs, backend="native"))
+
+
+@pytest.mark.parametrize("neg_eigval", [False, True])
+@pytest.mark.parametrize("backend", SLOPE_RUNS)
+def test_sigmoids_near_one_keep_their_gradients(backend, neg_eigval):
+    # sigmoid(x) rounds to 1 in float32 once x > ~17 (from x ~ 12 it keeps only a few bits of
+    # 1 - sigmoid(x)), while its slope sigmoid(x) sigmoid(-x) ~ exp(-x) is still representable:
+    # the bounded gate's and beta's gradients there must keep their relative precision. Written as
+    # s (1 - s), they were 0 (docs/math.md "Saturation"). x in [12, 22] keeps the float64 run exact.
+    p = make_problem(B=1, T=16, H=2, K=8, V=8, gate="bounded", seed=43, lower_bound=-3.0,
+                     neg_eigval=neg_eigval)
+    gen = torch.Generator().manual_seed(44)
+    rate = p.kwargs["A_log"].exp().reshape(2, 1)
+    bias = p.kwargs["dt_bias"].reshape(2, 8)
+    x = 12 + 10 * torch.rand(1, 16, 2, 4, generator=gen, dtype=torch.float64)
+    p.g[..., :4] = x / rate - bias[:, :4]  # channels 0-3 of both heads: rate * (g + bias) = x
+    p.beta[:, ::2] = 12 + 10 * torch.rand(1, 8, 2, generator=gen, dtype=torch.float64)
+    _, _, g32 = _grads(SLOPE_RUNS[backend], p, torch.float32)
+    _, _, g64 = _grads(SLOPE_RUNS[backend], p, torch.float64)
+    assert (g64["g"][..., :4] != 0).all() and (g64["beta"][:, ::2] != 0).all()
+    assert rel_err(g32["g"][..., :4], g64["g"][..., :4]) < 1e-3
+    assert rel_err(g32["beta"][:, ::2], g64["beta"][:, ::2]) < 1e-3
+    for name in NAMES:
+        assert rel_err(g32[name], g64[name]) < 1e-4, name

@@ -393,6 +393,21 @@ def test_gated_rmsnorm_formula_and_fp32_arithmetic():
     assert torch.equal(yb, norm(xb.float(), gb.float()).bfloat16())
 
 
+def test_gated_rmsnorm_gate_gradient_keeps_its_precision_near_sigmoid_one():
+    # sigmoid(g) rounds to 1 in float32 for g > ~17; its slope ~exp(-g) must survive there
+    # (docs/math.md "Saturation"). g in [12, 22]: the float64 run stays exact.
+    x = rand((5, 12), seed=73)
+    g = 12 + 10 * torch.rand(5, 12, generator=torch.Generator().manual_seed(74), dtype=torch.float64)
+    grads = {}
+    for dtype in (torch.float32, torch.float64):
+        norm = GatedRMSNorm(12, eps=1e-5).to(dtype)
+        gd = g.to(dtype).requires_grad_()
+        (norm(x.to(dtype), gd) * rand((5, 12), seed=75).to(dtype)).sum().backward()
+        grads[dtype] = gd.grad
+    assert (grads[torch.float64] != 0).all()
+    assert rel_err(grads[torch.float32], grads[torch.float64]) < 1e-4
+
+
 # --------------------------------------------------------------------------------------------
 # Mixed precision
 # --------------------------------------------------------------------------------------------

@@ -51,12 +51,12 @@ struct ChainArgs {
   const T* k_hm = nullptr;    // [H, BT, K] khat
   const T* k_rnorm = nullptr; // [BT, H] or null
   const T* g = nullptr;       // [BT, HV, K] log decay (softplus gate) or raw gate input (bounded)
-  const T* gate_s = nullptr;  // [BT, HV, K] sigmoid of the gate, or null (no gate in the op)
+  const T* gate_slope = nullptr;  // [BT, HV, K] PrepArgs::gate_slope_out, or null (no gate in the op)
   const T* expA = nullptr;    // [HV] exp(A_log) or null
   const T* bias = nullptr;    // [HV * K] dt_bias or null
-  const T* beta = nullptr;    // [HV, BT] write strength (after the sigmoid)
-  bool softplus = false, beta_sigmoid = false;
-  T scale = 1, lower_bound = 0, beta_c = 1;
+  const T* beta_slope = nullptr;  // [HV, BT] PrepArgs::beta_slope_out, or null (no sigmoid)
+  bool softplus = false;
+  T scale = 1, lower_bound = 0;
   T *dq = nullptr, *dk = nullptr, *dg = nullptr, *dbeta = nullptr, *dA_rows = nullptr;
 };
 
@@ -66,8 +66,10 @@ struct ChainArgs {
 //   q (l2 norm):  dq = (dqh - qhat (qhat . dqh)) * rnorm_q * scale     (else dq = dqh * scale)
 //   k (l2 norm):  dk = (dkh - khat (khat . dkh)) * rnorm_k              (else dk = dkh)
 //   gate softplus: dz = dgl * (-exp(A_log)) * sigmoid(z),   dA_log row = sum_i dgl_i g_i
-//   gate bounded:  dz = dgl * lower_bound * s (1 - s) [* exp(A_log)],   dA_log row = sum_i dz_i z_i
-//   beta sigmoid:  dbeta = db * beta (1 - beta / c)
+//   gate bounded:  dz = dgl * lower_bound * sigmoid(x) sigmoid(-x) [* exp(A_log)],
+//                  dA_log row = sum_i dz_i z_i   (x = exp(A_log) z)
+//   beta sigmoid:  dbeta = db * c sigmoid(x) sigmoid(-x)   (beta = c sigmoid(x))
+// with the slopes sigmoid(z), sigmoid(x) sigmoid(-x) from the pre-processing pass (PrepArgs).
 // (docs/math.md, "Backward"). Writes dq, dk [BT, H, K], dg [BT, HV, K] (dz with the gate in the
 // op), dbeta [BT, HV] and the per-token rows of dA_log [BT, HV]; their sums over tokens run
 // afterwards in token order. Every value is computed by one thread in a fixed order: the result
@@ -128,8 +130,8 @@ KDA_CLONES void chain_rule_tokens(const ChainArgs<T>& C, int64_t t0, int64_t t1)
       for (int64_t p = 1; p < P; ++p) {
         for (int64_t i = 0; i < K; ++i) dg[i] += C.dg_p[p * gs + row + i];
       }
-      if (C.gate_s) {
-        const T* s = C.gate_s + row;
+      if (C.gate_slope) {
+        const T* slope = C.gate_slope + row;
         const T* gz = C.g + row;
         T rowA;
         // Saturated gates (docs/math.md "Saturation"): where exp(A_log) overflowed to inf the
@@ -143,12 +145,12 @@ KDA_CLONES void chain_rule_tokens(const ChainArgs<T>& C, int64_t t0, int64_t t1)
             const T d = dg[i];
             return (d == T(0) || rate_inf) ? T(0) : d * gz[i];
           });
-          for (int64_t i = 0; i < K; ++i) dg[i] = rate_inf ? T(0) : dg[i] * mA * s[i];
+          for (int64_t i = 0; i < K; ++i) dg[i] = rate_inf ? T(0) : dg[i] * mA * slope[i];
         } else {
           const T lb = C.lower_bound, eA = C.expA ? C.expA[hv] : T(1);
           const T* bias = C.bias ? C.bias + hv * K : nullptr;
           for (int64_t i = 0; i < K; ++i) {
-            T dz = dg[i] * lb * s[i] * (T(1) - s[i]);
+            T dz = dg[i] * lb * slope[i];
             if (C.expA) dz = rate_inf ? T(0) : dz * eA;
             dg[i] = dz;
           }
@@ -158,10 +160,7 @@ KDA_CLONES void chain_rule_tokens(const ChainArgs<T>& C, int64_t t0, int64_t t1)
       }
       T db = C.db_p[t * HV + hv];
       for (int64_t p = 1; p < P; ++p) db += C.db_p[p * gsb + t * HV + hv];
-      if (C.beta_sigmoid) {
-        const T b = C.beta[hv * BT + t];
-        db = db * b * (T(1) - b / C.beta_c);
-      }
+      if (C.beta_slope) db *= C.beta_slope[hv * BT + t];
       C.dbeta[t * HV + hv] = db;
     }
   }
@@ -401,7 +400,8 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
     P.beta_out = buffer({HV, nb});
     P.q_rnorm = l2 ? buffer({nb, H}) : nullptr;
     P.k_rnorm = l2 ? buffer({nb, H}) : nullptr;
-    P.s_out = gate ? buffer({nb, HV, K}) : nullptr;
+    P.gate_slope_out = gate ? buffer({nb, HV, K}) : nullptr;
+    P.beta_slope_out = cfg.use_beta_sigmoid_in_kernel ? buffer({HV, nb}) : nullptr;
     // the softplus gate's log decay
     P.g_out = gate && !cfg.lower_bound ? buffer({nb, HV, K}) : nullptr;
 
@@ -439,15 +439,13 @@ void run_bwd_blocked(const Inputs& in, const Config& cfg, const BwdSetup& s,
     Cb.q_rnorm = P.q_rnorm;
     Cb.k_hm = P.k_out;
     Cb.k_rnorm = P.k_rnorm;
-    Cb.gate_s = P.s_out;
+    Cb.gate_slope = P.gate_slope_out;
     Cb.expA = P.expA;
     Cb.bias = P.dt_bias;
-    Cb.beta = P.beta_out;
+    Cb.beta_slope = P.beta_slope_out;
     Cb.softplus = gate && !cfg.lower_bound;
-    Cb.beta_sigmoid = cfg.use_beta_sigmoid_in_kernel;
     Cb.scale = static_cast<T>(cfg.scale);
     Cb.lower_bound = static_cast<T>(cfg.lower_bound.value_or(0.0));
-    Cb.beta_c = cfg.allow_neg_eigval ? T(2) : T(1);
     Cb.g = P.g_out;  // the softplus gate's log decay (block rows)
     ChainGlobals<T>& G = W->G;
     // Raw q (l2 norm) and the bounded gate's raw input: the caller's arrays, or block buffers.

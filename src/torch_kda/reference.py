@@ -35,6 +35,19 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
+def sigmoid_accurate_slope(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)``, elementwise, written as ``exp(logsigmoid(x))`` for its gradient.
+
+    Autograd forms this function's slope as ``sigmoid(x) * sigmoid(-x)``, which keeps its relative
+    precision where ``sigmoid(x)`` rounds to 1 (x > ~17 in float32; from x ~ 12 only a few bits of
+    ``1 - sigmoid(x)`` are left), while ``torch.sigmoid``'s ``s * (1 - s)`` is 0 or coarse there
+    (docs/math.md "Saturation"). The value equals ``torch.sigmoid(x)`` to rounding.
+
+    Args: ``x``: any shape, a floating dtype. Returns: the same shape and dtype.
+    """
+    return torch.exp(F.logsigmoid(x))
+
+
 def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
           lower_bound: Optional[float]) -> torch.Tensor:
     """Log-decay from the raw gate input ``g [..., HV, K]``; inputs already checked."""
@@ -59,8 +72,8 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
     # bounded gate: g = lower_bound * sigmoid(exp(A_log) * z), in [lower_bound, 0);
     # saturated: sigmoid(inf * z) = (sign(z) + 1) / 2
     if A_log is None:
-        return lower_bound * torch.sigmoid(z)
-    s = torch.where(saturated, (torch.sign(z) + 1) / 2, torch.sigmoid(rate * z))
+        return lower_bound * sigmoid_accurate_slope(z)
+    s = torch.where(saturated, (torch.sign(z) + 1) / 2, sigmoid_accurate_slope(rate * z))
     return lower_bound * s
 
 
@@ -106,7 +119,7 @@ def _prepare(x: KDAInputs) -> Tuple[torch.Tensor, ...]:
         g = x.g.to(dtype)
     beta = x.beta.to(dtype)
     if x.use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta) * (2.0 if x.allow_neg_eigval else 1.0)
+        beta = sigmoid_accurate_slope(beta) * (2.0 if x.allow_neg_eigval else 1.0)
     return q, k, x.v.to(dtype), g, beta
 
 

@@ -427,7 +427,7 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       T* ak = P.ak_out ? P.ak_out + (hv * BT + to) * K : nullptr;
       const T* kh = P.k_out + ((hv / (HV / H)) * BT + to) * K;
       T* gout = P.g_out ? P.g_out + (to * HV + hv) * K : nullptr;
-      T* sout = P.s_out ? P.s_out + (to * HV + hv) * K : nullptr;
+      T* slope = P.gate_slope_out ? P.gate_slope_out + (to * HV + hv) * K : nullptr;
       // exp(A_log) overflowed (A_log > log(max)): the bounded gate's sigmoid(inf * z) is its
       // limit, a step (sign(z) + 1) / 2 (inf * 0 would be NaN).
       const bool rate_inf = P.expA && __builtin_isinf(P.expA[hv]);
@@ -446,16 +446,16 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
             z[c] = gl[c];
             if (bias) z[c] += load_cols(bias + i + c * L, m[c]);
           }
-          if (sout) {
+          if (slope) {
             V sg[kPrepVecs];
             vsoftplus_sigmoid_n<kPrepVecs>(z, sg);
-            for (int c = 0; c < kPrepVecs; ++c) store_cols(sout + i + c * L, sg[c], m[c]);
+            for (int c = 0; c < kPrepVecs; ++c) store_cols(slope + i + c * L, sg[c], m[c]);
           } else {
             vsoftplus_n<kPrepVecs>(z);
           }
           for (int c = 0; c < kPrepVecs; ++c) gl[c] = -P.expA[hv] * z[c];
         } else if (P.gate == GateMode::kBounded) {
-          V sg[kPrepVecs];
+          V sg[kPrepVecs], sn[kPrepVecs];  // sigmoid(x), sigmoid(-x)
           for (int c = 0; c < kPrepVecs; ++c) {
             V z = gl[c];
             if (bias) z += load_cols(bias + i + c * L, m[c]);
@@ -465,11 +465,14 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
             } else {
               sg[c] = P.expA ? P.expA[hv] * z : z;
             }
+            sn[c] = zero - sg[c];
           }
           if (!rate_inf) vsigmoid_n<kPrepVecs>(sg);
+          if (slope && !rate_inf) vsigmoid_n<kPrepVecs>(sn);
           for (int c = 0; c < kPrepVecs; ++c) {
             gl[c] = P.lower_bound * sg[c];
-            if (sout) store_cols(sout + i + c * L, sg[c], m[c]);
+            // a saturated rate's step has slope 0 (no gradient flows through it)
+            if (slope) store_cols(slope + i + c * L, rate_inf ? zero : sg[c] * sn[c], m[c]);
           }
         } else {
           for (int c = 0; c < kPrepVecs; ++c) g_pos |= gl[c] > zero;
@@ -490,6 +493,10 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
     for (int64_t hv = 0; hv < HV; ++hv) {
       T b = load1_in(P.beta, P.beta16, P.beta_store, ti * beta_ld + hv);
       if (P.beta_sigmoid) {
+        if (P.beta_slope_out) {
+          P.beta_slope_out[hv * BT + to] =
+              P.beta_mult * (T(1) / (T(1) + s_exp(-b))) * (T(1) / (T(1) + s_exp(b)));
+        }
         b = P.beta_mult * (T(1) / (T(1) + s_exp(-b)));
       } else if ((b < T(0) || b > T(2)) && rep.bad_beta < 0) {
         rep.bad_beta = t * HV + hv;

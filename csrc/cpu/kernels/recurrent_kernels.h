@@ -145,12 +145,16 @@ struct PrepArgs {
   T* a_out = nullptr;          // [HV, BT, K] exp(g)
   T* ak_out = nullptr;         // [HV, BT, K] exp(g) * khat (null: not made)
   T* beta_out = nullptr;       // [HV, BT]
-  // For the backward (may be null): 1/||.|| of q and k [BT, H], log decay and gate sigmoid
-  // [BT, HV, K].
+  // For the backward (may be null): 1/||.|| of q and k [BT, H], log decay [BT, HV, K], and the
+  // slopes of the gate's and beta's nonlinearities at their arguments: softplus'(z) = sigmoid(z)
+  // [BT, HV, K]; sigmoid'(x) = sigmoid(x) sigmoid(-x) [BT, HV, K] and beta_mult times it
+  // [HV, BT]. sigmoid(-x) is computed, not taken as 1 - sigmoid(x), which rounds to 0 in float32
+  // once x > ~17 while the slope (~exp(-x)) is still representable.
   T* q_rnorm = nullptr;
   T* k_rnorm = nullptr;
   T* g_out = nullptr;
-  T* s_out = nullptr;
+  T* gate_slope_out = nullptr;
+  T* beta_slope_out = nullptr;
 };
 
 // FwdArgs::slices: one slice's state (K x kFwdSlice) and a gap of kSliceGap elements after it,

@@ -12,6 +12,8 @@ import math
 import torch
 import torch.nn as nn
 
+from ..reference import sigmoid_accurate_slope
+
 __all__ = ["GatedRMSNorm"]
 
 
@@ -67,7 +69,8 @@ class GatedRMSNorm(nn.Module):
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
         if self.weight is not None:
             y = y * self.weight.to(cd)
-        y = y * torch.sigmoid(gate.to(cd))
+        # its gradient keeps its precision where sigmoid(gate) rounds to 1 (reference.py)
+        y = y * sigmoid_accurate_slope(gate.to(cd))
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -58,9 +58,10 @@ inline VF per_lane(VF x, F f) {
 // vsoftplus, vsigmoid) are N = 1.
 
 // exp: Cephes-style range reduction x = n ln2 + r and a degree-6 polynomial (about 1 ulp);
-// below -87.5 it underflows to 0 and above 88.75 overflows to inf, as exp does in fp32; from 88
-// to 88.75 it returns exp(88) (the reduction is clamped at 88; the gates only exponentiate
-// arguments <= 0, and a sigmoid's exp(-z) there only moves a result below 1e-38). Under AVX2
+// below -87.5 it underflows to 0 (results under the smallest normal float are flushed) and past
+// ln(FLT_MAX) = 88.72 it overflows to inf, as exp does in fp32. n reaches 128 from x = 88.38:
+// 2^128 has no float exponent, so there y is doubled and scaled by 2^127 (it returned exp(88)
+// from 88 to 88.75 before, when the reduction was clamped at 88). Under AVX2
 // (8 floats) the floor of n is one vroundps instead of two conversions, a compare and a
 // correction: the same n.
 // With AVX-512 (16 floats), n = floor(t) is one vrndscaleps and y * 2^n one vscalefps, instead
@@ -87,7 +88,7 @@ inline void vexp_n(VF (&x)[N]) {
     VF nf[N], r[N], p[N];
     VI n[N];
     for (int c = 0; c < N; ++c) {
-      const VF xc = x[c] < -87.5f ? zero - 87.5f : (x[c] > 88.0f ? zero + 88.0f : x[c]);
+      const VF xc = x[c] < -87.5f ? zero - 87.5f : (x[c] > 88.75f ? zero + 88.75f : x[c]);
       const VF t = xc * 1.44269504088896341f + 0.5f;
       if constexpr (kScalef) {
 #if defined(__AVX512F__)
@@ -119,10 +120,11 @@ inline void vexp_n(VF (&x)[N]) {
         res = (VF)_mm512_scalef_ps((__m512)y, (__m512)nf[c]);
 #endif
       } else {
-        const VI bits = (n[c] + 127) << 23;
+        const VI top = n[c] > 127;  // -1 where n = 128
+        const VI bits = (n[c] + top + 127) << 23;
         VF scale;
         std::memcpy(&scale, &bits, sizeof(scale));
-        res = y * scale;
+        res = (top ? y + y : y) * scale;
       }
       res = x[c] < -87.5f ? zero : res;
       res = x[c] > 88.75f ? zero + __builtin_inff() : res;

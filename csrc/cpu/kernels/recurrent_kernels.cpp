@@ -413,8 +413,11 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
           if (rn_out) rn_out[to * H + h] = rn;
           f = rn * f;
         }
+        // The storage read into a local: a store through y may alias P as far as GCC knows, and
+        // it re-read P.q_store and re-tested it at every vector.
+        const Storage st = P.q_store;
         for (int64_t i = 0; i < K; i += L) {
-          store_cols(y + i, load_in(src, src16, P.q_store, x0 + i, K - i) * f, K - i);
+          store_cols(y + i, load_in(src, src16, st, x0 + i, K - i) * f, K - i);
         }
       }
     }

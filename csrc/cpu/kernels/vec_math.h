@@ -49,6 +49,40 @@ inline VF per_lane(VF x, F f) {
   return x;
 }
 
+// max(lo, x), min(hi, x) and -|x| of float vectors, x NaN kept as it is: x86's maxps / minps
+// return their second operand where either is NaN, so with x second they are one instruction
+// each where the vector is one register, instead of a compare and a select (GCC does not turn
+// the selects into them); -|x| sets the sign bit. The generic vectors select.
+template <typename VF>
+inline VF vmax_lo(VF lo, VF x) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(VF) == sizeof(__m512)) return (VF)_mm512_max_ps((__m512)lo, (__m512)x);
+#endif
+#if defined(__AVX__)
+  if constexpr (sizeof(VF) == sizeof(__m256)) return (VF)_mm256_max_ps((__m256)lo, (__m256)x);
+#endif
+  return x < lo ? lo : x;
+}
+template <typename VF>
+inline VF vmin_hi(VF hi, VF x) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(VF) == sizeof(__m512)) return (VF)_mm512_min_ps((__m512)hi, (__m512)x);
+#endif
+#if defined(__AVX__)
+  if constexpr (sizeof(VF) == sizeof(__m256)) return (VF)_mm256_min_ps((__m256)hi, (__m256)x);
+#endif
+  return x > hi ? hi : x;
+}
+template <typename VF>
+inline VF vneg_abs(VF x) {
+  using VI = decltype(x < x);
+  VI bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits |= VI{} + static_cast<int32_t>(0x80000000u);
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
 // The float functions take N vectors and run every step for all N before the next one
 // (vexp_n, vsoftplus_sigmoid_n, vsoftplus_n, vsigmoid_n): the N dependency chains
 // then lie side by side in program order and the core overlaps them. One vector at a time, each
@@ -88,7 +122,7 @@ inline void vexp_n(VF (&x)[N]) {
     VF nf[N], r[N], p[N];
     VI n[N];
     for (int c = 0; c < N; ++c) {
-      const VF xc = x[c] < -87.5f ? zero - 87.5f : (x[c] > 88.75f ? zero + 88.75f : x[c]);
+      const VF xc = vmin_hi(zero + 88.75f, vmax_lo(zero - 87.5f, x[c]));  // NaN stays NaN
       const VF t = xc * 1.44269504088896341f + 0.5f;
       if constexpr (kScalef) {
 #if defined(__AVX512F__)
@@ -126,9 +160,9 @@ inline void vexp_n(VF (&x)[N]) {
         std::memcpy(&scale, &bits, sizeof(scale));
         res = (top ? y + y : y) * scale;
       }
-      res = x[c] < -87.5f ? zero : res;
-      res = x[c] > 88.75f ? zero + __builtin_inff() : res;
-      x[c] = x[c] != x[c] ? x[c] : res;  // NaN propagates
+      // Past 88.72 the clamped exp(88.75) overflows to inf, and a NaN x went through the
+      // clamp and the polynomial as NaN: only the flush below -87.5 needs a select.
+      x[c] = x[c] < -87.5f ? zero : res;
     }
   }
 }
@@ -160,7 +194,7 @@ inline void vsoftplus_sigmoid_n(VF (&z)[N], VF (&sig)[N]) {
   } else {
     const VF zero{};
     VF y[N], s[N], q[N], p[N];
-    for (int c = 0; c < N; ++c) y[c] = -(z[c] < 0.0f ? -z[c] : z[c]);
+    for (int c = 0; c < N; ++c) y[c] = vneg_abs(z[c]);
     vexp_n<N>(y);
     // log1p(y) = 2 atanh(s), s = y / (2 + y) in [0, 1/3]: s + s^3/3 + ... + s^15/15
     for (int c = 0; c < N; ++c) {
@@ -181,7 +215,7 @@ inline void vsoftplus_sigmoid_n(VF (&z)[N], VF (&sig)[N]) {
       const VF l1p = s2 + s2 * (q[c] * p[c]);
       const VF rw = 1.0f / (1.0f + y[c]);
       sig[c] = z[c] < 0.0f ? y[c] * rw : rw;
-      const VF sp = (z[c] > 0.0f ? z[c] : zero) + l1p;
+      const VF sp = vmax_lo(zero, z[c]) + l1p;
       z[c] = z[c] > 20.0f ? z[c] : sp;
     }
   }

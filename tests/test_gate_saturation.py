@@ -43,10 +43,13 @@ def _grads(run, p, dtype):
     return o, s, {n: t[n].grad for n in NAMES}
 
 
+# exp(100) = 2.7e43: inf in float32, finite in float64; 88.7228394 = float32(log(FLT_MAX)), the
+# smallest float32 A_log whose exp overflows (the reference's bound once missed it: NaN gradients).
+@pytest.mark.parametrize("a_log", [100.0, 88.72283935546875])
 @pytest.mark.parametrize("gate", ["softplus", "bounded"])
 @pytest.mark.parametrize("backend", RUNS)
-def test_saturated_gate_gradients_are_finite_and_match_float64(gate, backend):
-    p = _problem(gate, 100.0)  # exp(100) = 2.7e43: inf in float32, finite in float64
+def test_saturated_gate_gradients_are_finite_and_match_float64(gate, backend, a_log):
+    p = _problem(gate, a_log)
     o32, s32, g32 = _grads(RUNS[backend], p, torch.float32)
     o64, s64, g64 = _grads(RUNS[backend], p, torch.float64)
     assert torch.isfinite(o32).all() and torch.isfinite(s32).all()
@@ -124,3 +127,48 @@ def test_sigmoids_near_one_keep_their_gradients(backend, neg_eigval):
     assert rel_err(g32["beta"][:, ::2], g64["beta"][:, ::2]) < 1e-3
     for name in NAMES:
         assert rel_err(g32[name], g64[name]) < 1e-4, name
+
+
+def _extreme_inputs(gate: str, z_values):
+    # Head 0 saturated (exp(100) = inf in float32) with z = g + dt_bias of channels 0-3 at
+    # z_values in every token: -90 (softplus(z) flushes to 0 in float32: inf * 0 was NaN in the
+    # native pass), exactly 0 (the bounded gate's step midpoint: inf * 0 was NaN in the serving
+    # kernels; its float64 gradient is exp(100) / 4, the step's, so only forwards take it). Not
+    # below ~-96: there float64's exp(100) * softplus(z) is small, a decay near 1, not the limit.
+    p = _problem(gate, 100.0)
+    bias = p.kwargs["dt_bias"].reshape(2, 8)
+    p.g[:, :, 0, :4] = torch.tensor(z_values, dtype=torch.float64) - bias[0, :4]
+    return p
+
+
+@pytest.mark.parametrize("gate", ["softplus", "bounded"])
+@pytest.mark.parametrize("backend", SLOPE_RUNS)
+def test_saturated_rate_with_extreme_gate_inputs(gate, backend):
+    p = _extreme_inputs(gate, [-90.0, -95.0, 90.0, 1e4])
+    o32, s32, g32 = _grads(SLOPE_RUNS[backend], p, torch.float32)
+    o64, s64, g64 = _grads(SLOPE_RUNS[backend], p, torch.float64)
+    assert torch.isfinite(o32).all() and torch.isfinite(s32).all()
+    assert rel_err(o32, o64) < 1e-5 and rel_err(s32, s64) < 1e-5
+    for name in NAMES:
+        assert torch.isfinite(g32[name]).all(), name
+        assert rel_err(g32[name], g64[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("gate", ["softplus", "bounded"])
+def test_serving_decode_takes_the_saturated_gate_limits(gate, v_first):
+    # The serving kernels (a state pool read and written in place by slot indices) compute the gate
+    # themselves: the same limits as the prefill's pass, against the float64 reference.
+    p = _extreme_inputs(gate, [-90.0, -95.0, 0.0, 90.0])
+    p.kwargs["state_v_first"] = v_first
+    if v_first:
+        p.kwargs["initial_state"] = p.kwargs["initial_state"].transpose(-1, -2).contiguous()
+    x32 = p.to(torch.float32)
+    pool = x32.kwargs.pop("initial_state").clone()
+    with torch.no_grad():
+        o, _ = torch_kda.fused_recurrent_kda(*x32.args, **x32.kwargs, initial_state=pool,
+                                             ssm_state_indices=torch.arange(pool.shape[0]),
+                                             inplace_final_state=True, backend="native")
+        o64, s64 = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="reference")
+    assert torch.isfinite(o).all() and torch.isfinite(pool).all()
+    assert rel_err(o, o64) < 1e-5 and rel_err(pool, s64) < 1e-5

@@ -41,7 +41,9 @@ def sigmoid_accurate_slope(x: torch.Tensor) -> torch.Tensor:
     Autograd forms this function's slope as ``sigmoid(x) * sigmoid(-x)``, which keeps its relative
     precision where ``sigmoid(x)`` rounds to 1 (x > ~17 in float32; from x ~ 12 only a few bits of
     ``1 - sigmoid(x)`` are left), while ``torch.sigmoid``'s ``s * (1 - s)`` is 0 or coarse there
-    (docs/math.md "Saturation"). The value equals ``torch.sigmoid(x)`` to rounding.
+    (docs/math.md "Saturation"). The value equals ``torch.sigmoid(x)`` to rounding, except below
+    x ~ -88.7 in float32, where it keeps the subnormal e^x that ``torch.sigmoid`` (and the native
+    op) flush to 0.
 
     Args: ``x``: any shape, a floating dtype. Returns: the same shape and dtype.
     """
@@ -63,7 +65,9 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
         # A_log is replaced by 0 there BEFORE exp, so no inf enters the autograd graph (autograd
         # would otherwise form 0 * inf = NaN in the backward of exp and of the products).
         A = A_log.to(dtype).reshape(HV, 1)
-        saturated = A > math.log(torch.finfo(dtype).max)
+        # exp itself decides: A > math.log(max) missed A = float32(log(max)) = 88.7228394,
+        # whose float32 exp is inf (the bound rounds to A when compared in float32).
+        saturated = torch.isinf(A.detach().exp())
         rate = torch.where(saturated, torch.zeros_like(A), A).exp()
     if lower_bound is None:
         # softplus gate: g = -exp(A_log) * softplus(z); saturated: -inf (a decay of exactly 0)

@@ -431,8 +431,9 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       const T* kh = P.k_out + ((hv / (HV / H)) * BT + to) * K;
       T* gout = P.g_out ? P.g_out + (to * HV + hv) * K : nullptr;
       T* slope = P.gate_slope_out ? P.gate_slope_out + (to * HV + hv) * K : nullptr;
-      // exp(A_log) overflowed (A_log > log(max)): the bounded gate's sigmoid(inf * z) is its
-      // limit, a step (sign(z) + 1) / 2 (inf * 0 would be NaN).
+      // exp(A_log) overflowed (A_log > log(max)): the gates take their limits (docs/math.md
+      // "Saturation"): the softplus gate's log decay -inf, the bounded gate's sigmoid(inf * z) a
+      // step (sign(z) + 1) / 2 (inf * 0 would be NaN).
       const bool rate_inf = P.expA && __builtin_isinf(P.expA[hv]);
       for (int64_t i = 0; i < K; i += kPrepVecs * L) {
         // Vector c covers [i + c L, i + c L + m[c]); past K (m <= 0) it holds zeros and is
@@ -456,7 +457,10 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
           } else {
             vsoftplus_n<kPrepVecs>(z);
           }
-          for (int c = 0; c < kPrepVecs; ++c) gl[c] = -P.expA[hv] * z[c];
+          // A saturated rate's log decay is -inf (decay 0) for every z: -inf * softplus(z)
+          // was NaN where softplus(z) flushed to 0 (z < -87.5).
+          const V minf = splat<T>(-__builtin_inf());
+          for (int c = 0; c < kPrepVecs; ++c) gl[c] = rate_inf ? minf : -P.expA[hv] * z[c];
         } else if (P.gate == GateMode::kBounded) {
           V sg[kPrepVecs], sn[kPrepVecs];  // sigmoid(x), sigmoid(-x)
           for (int c = 0; c < kPrepVecs; ++c) {

@@ -262,6 +262,9 @@ void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
   const T qs = A.l2norm ? l2_rnorm<T>(q, K) * A.scale : A.scale;
   const T ks = A.l2norm ? l2_rnorm<T>(k, K) : static_cast<T>(1);
   const T rate = A.expA ? A.expA[hv] : static_cast<T>(1);
+  // exp(A_log) overflowed: the gates' limits (docs/math.md "Saturation"), as in the prefill's
+  // pass (recurrent_kernels.cpp): inf * softplus(z) and inf * 0 would be NaN.
+  const bool rate_inf = __builtin_isinf(rate);
   vec<T> qk{};
   for (int64_t i = 0; i < K; i += kL<T>) {
     const int64_t m = K - i;
@@ -271,8 +274,11 @@ void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
       lg = z;
     } else {
       if (A.dt_bias) z += vload<T, T>(A.dt_bias + hv * K + i, m);
+      const vec<T> zero{};
       if (A.gate == GateMode::kSoftplus) {
-        lg = -rate * vsoftplus(z);
+        lg = rate_inf ? zero + static_cast<T>(-__builtin_inf()) : -rate * vsoftplus(z);
+      } else if (rate_inf) {
+        lg = A.lower_bound * (z > zero ? zero + 1 : (z < zero ? zero : zero + T(0.5)));
       } else {
         lg = A.lower_bound * vsigmoid(rate * z);
       }

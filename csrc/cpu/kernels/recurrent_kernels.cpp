@@ -462,20 +462,17 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
           const V minf = splat<T>(-__builtin_inf());
           for (int c = 0; c < kPrepVecs; ++c) gl[c] = rate_inf ? minf : -P.expA[hv] * z[c];
         } else if (P.gate == GateMode::kBounded) {
-          V sg[kPrepVecs], sn[kPrepVecs];  // sigmoid(x), sigmoid(-x)
+          V sg[kPrepVecs], sn[kPrepVecs];  // sigmoid(x), sigmoid(-x) (the slope, backward only)
           for (int c = 0; c < kPrepVecs; ++c) {
             V z = gl[c];
             if (bias) z += load_cols(bias + i + c * L, m[c]);
-            if (rate_inf) {
-              const V half = splat<T>(T(0.5)), one = splat<T>(T(1));
-              sg[c] = z > zero ? one : (z < zero ? zero : half);
-            } else {
-              sg[c] = P.expA ? P.expA[hv] * z : z;
-            }
-            sn[c] = zero - sg[c];
+            sg[c] = rate_inf ? vsigmoid_step(z) : (P.expA ? P.expA[hv] * z : z);
+          }
+          if (slope && !rate_inf) {
+            for (int c = 0; c < kPrepVecs; ++c) sn[c] = zero - sg[c];
+            vsigmoid_n<kPrepVecs>(sn);
           }
           if (!rate_inf) vsigmoid_n<kPrepVecs>(sg);
-          if (slope && !rate_inf) vsigmoid_n<kPrepVecs>(sn);
           for (int c = 0; c < kPrepVecs; ++c) {
             gl[c] = P.lower_bound * sg[c];
             // a saturated rate's step has slope 0 (no gradient flows through it)
@@ -500,11 +497,11 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
     for (int64_t hv = 0; hv < HV; ++hv) {
       T b = load1_in(P.beta, P.beta16, P.beta_store, ti * beta_ld + hv);
       if (P.beta_sigmoid) {
+        const T sig = T(1) / (T(1) + s_exp(-b));
         if (P.beta_slope_out) {
-          P.beta_slope_out[hv * BT + to] =
-              P.beta_mult * (T(1) / (T(1) + s_exp(-b))) * (T(1) / (T(1) + s_exp(b)));
+          P.beta_slope_out[hv * BT + to] = P.beta_mult * sig * (T(1) / (T(1) + s_exp(b)));
         }
-        b = P.beta_mult * (T(1) / (T(1) + s_exp(-b)));
+        b = P.beta_mult * sig;
       } else if ((b < T(0) || b > T(2)) && rep.bad_beta < 0) {
         rep.bad_beta = t * HV + hv;
       }

@@ -278,7 +278,7 @@ void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
       if (A.gate == GateMode::kSoftplus) {
         lg = rate_inf ? zero + static_cast<T>(-__builtin_inf()) : -rate * vsoftplus(z);
       } else if (rate_inf) {
-        lg = A.lower_bound * (z > zero ? zero + 1 : (z < zero ? zero : zero + T(0.5)));
+        lg = A.lower_bound * vsigmoid_step(z);
       } else {
         lg = A.lower_bound * vsigmoid(rate * z);
       }

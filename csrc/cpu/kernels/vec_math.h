@@ -83,6 +83,16 @@ inline VF vneg_abs(VF x) {
   return x;
 }
 
+// sigmoid(inf * z), the bounded gate's limit where exp(A_log) overflowed (docs/math.md
+// "Saturation"): the step (sign(z) + 1) / 2, 1/2 at z = 0 (inf * 0 would be NaN). Shared by the
+// prefill's pass and the serving kernels.
+template <typename VF>
+inline VF vsigmoid_step(VF z) {
+  using E = vm_elem_t<VF>;
+  const VF zero{};
+  return z > zero ? zero + E(1) : (z < zero ? zero : zero + E(0.5));
+}
+
 // The float functions take N vectors and run every step for all N before the next one
 // (vexp_n, vsoftplus_sigmoid_n, vsoftplus_n, vsigmoid_n): the N dependency chains
 // then lie side by side in program order and the core overlaps them. One vector at a time, each

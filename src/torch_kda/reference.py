@@ -46,6 +46,7 @@ def sigmoid_accurate_slope(x: torch.Tensor) -> torch.Tensor:
     op) flush to 0.
 
     Args: ``x``: any shape, a floating dtype. Returns: the same shape and dtype.
+    Raises: nothing of its own (torch's errors for a non-floating ``x``).
     """
     return torch.exp(F.logsigmoid(x))
 

@@ -97,6 +97,28 @@ inline void store_cols(T* p, const vec_t<T>& x, int64_t m) {
   for (int64_t l = 0; l < m; ++l) p[l] = lanes[l];
 }
 
+// load_cols / store_cols where the caller knows at compile time whether the whole vector is in
+// range (Full): no length test, and no lane array for GCC to route the vector through.
+template <bool Full, typename T>
+inline vec_t<T> load_rows(const T* p, int64_t m) {
+  if constexpr (Full) {
+    vec_t<T> r;
+    std::memcpy(&r, p, sizeof(r));
+    return r;
+  } else {
+    return load_cols(p, m);
+  }
+}
+
+template <bool Full, typename T>
+inline void store_rows(T* p, const vec_t<T>& x, int64_t m) {
+  if constexpr (Full) {
+    std::memcpy(p, &x, sizeof(x));
+  } else {
+    store_cols(p, x, m);
+  }
+}
+
 #include "cpu/kernels/lane_reduce.h"  // hsum, transpose_reduce, lane_sums (fixed-order lane sums)
 
 template <typename T, int NV>
@@ -746,7 +768,10 @@ inline void store_slice_tr(T* dst, const T* src, int64_t K, int64_t V, int64_t w
 #endif
 
 // Row vectors of the backward sweep and the recompute per step of its row loop (independent
-// accumulators per step; more would not fit the register file with the per-row inputs).
+// accumulators per step). Each step of the sweep pays a prologue (its rows of a, k, q) and an
+// epilogue (its rows of the gradients): under AVX2, 2 row vectors per step are 8-11% faster in
+// the kernel than 1 although their 18 vectors of inputs and accumulators spill past the 16
+// registers (3 and 4: 9% and 12-13% slower than 2; benchmarks/bwd_kernel.cpp on a Zen 3).
 // The recompute holds three row vectors per step (a, k, the next a k) and no accumulators, so
 // it takes more rows per step: fewer read-modify-writes of the column partials Z (AVX2: 4 row
 // vectors 5-6% faster than 2 in the kernel, benchmarks/bwd_kernel.cpp on a Zen 3).
@@ -754,7 +779,7 @@ inline void store_slice_tr(T* dst, const T* src, int64_t K, int64_t V, int64_t w
 constexpr int kRowVecs = 2;
 constexpr int kRecVecs = 4;
 #elif defined(__AVX2__)
-constexpr int kRowVecs = 1;
+constexpr int kRowVecs = 2;
 constexpr int kRecVecs = 4;
 #else
 constexpr int kRowVecs = 1;
@@ -861,7 +886,7 @@ struct RowGradOut {
 //           4-5% of the kernel under AVX2, where every column's scalars are broadcast per step)
 //   pass 1: D' = H_{t-1} + q' do'^T of token n (stored back) and Z[j] (+)= lane partials of
 //           sum_i k'_i D'[i, j] (its delta).
-template <typename T, int NB, bool Pass2, bool Pass1, bool Derive>
+template <typename T, int NB, bool Pass2, bool Pass1, bool Derive, bool Full>
 inline void bwd_rows_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t ib, int64_t width,
                         const BwdToken<T>& c, const BwdCols<T>& cc, const BwdToken<T>& n,
                         vec_t<T>* Z, const RowGradOut<T>& g) {
@@ -872,14 +897,14 @@ inline void bwd_rows_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t ib, int64_t
   for (int b = 0; b < NB; ++b) {
     const int64_t m = K - (ib + b) * L;
     if (Pass2) {
-      av[b] = load_cols(c.at + (ib + b) * L, m);
-      kv[b] = load_cols(c.kt + (ib + b) * L, m);
+      av[b] = load_rows<Full>(c.at + (ib + b) * L, m);
+      kv[b] = load_rows<Full>(c.kt + (ib + b) * L, m);
     }
     if (Pass1) {
-      kn[b] = load_cols(n.kt + (ib + b) * L, m);
-      qn[b] = load_cols(n.qt + (ib + b) * L, m);
+      kn[b] = load_rows<Full>(n.kt + (ib + b) * L, m);
+      qn[b] = load_rows<Full>(n.qt + (ib + b) * L, m);
     }
-    if (Derive) an[b] = load_cols(n.at + (ib + b) * L, m);
+    if (Derive) an[b] = load_rows<Full>(n.at + (ib + b) * L, m);
   }
   for (int64_t j = 0; j < width; ++j) {
     V Hn[NB];
@@ -927,27 +952,31 @@ inline void bwd_rows_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t ib, int64_t
       V gk = w1[b] - av[b] * w2[b];
       V gg = w3[b];
       if (!g.first) {
-        gq += load_cols(g.dq + i0, m);
-        gk += load_cols(g.dk + i0, m);
-        gg += load_cols(g.dg + i0, m);
+        gq += load_rows<Full>(g.dq + i0, m);
+        gk += load_rows<Full>(g.dk + i0, m);
+        gg += load_rows<Full>(g.dg + i0, m);
       }
-      store_cols(g.dq + i0, gq, m);
-      store_cols(g.dk + i0, gk, m);
-      store_cols(g.dg + i0, gg, m);
+      store_rows<Full>(g.dq + i0, gq, m);
+      store_rows<Full>(g.dk + i0, gk, m);
+      store_rows<Full>(g.dg + i0, gg, m);
     }
   }
 }
 
-// One sweep over all rows of a transposed slice, kRowVecs row vectors per step (then one).
+// One sweep over all rows of a transposed slice, kRowVecs row vectors per step (then one); the
+// row vectors wholly inside K load and store their rows without a length check.
 template <typename T, bool Pass2, bool Pass1, bool Derive>
 inline void bwd_sweep_rows(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t width,
                            const BwdToken<T>& c, const BwdCols<T>& cc, const BwdToken<T>& n,
                            vec_t<T>* Z, const RowGradOut<T>& g) {
+  const int64_t KF = K / kLanes<T>;  // whole row vectors
   int64_t ib = 0;
-  for (; ib + kRowVecs <= KV; ib += kRowVecs) {
-    bwd_rows_tr<T, kRowVecs, Pass2, Pass1, Derive>(Hs, K, KV, ib, width, c, cc, n, Z, g);
+  for (; ib + kRowVecs <= KF; ib += kRowVecs) {
+    bwd_rows_tr<T, kRowVecs, Pass2, Pass1, Derive, true>(Hs, K, KV, ib, width, c, cc, n, Z, g);
   }
-  for (; ib < KV; ++ib) bwd_rows_tr<T, 1, Pass2, Pass1, Derive>(Hs, K, KV, ib, width, c, cc, n, Z, g);
+  for (; ib < KV; ++ib) {
+    bwd_rows_tr<T, 1, Pass2, Pass1, Derive, false>(Hs, K, KV, ib, width, c, cc, n, Z, g);
+  }
 }
 
 // A sweep that derives c's state S_{t-1} (c.derive) needs token n = t - 1: pass 1 runs with it.

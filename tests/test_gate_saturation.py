@@ -172,3 +172,33 @@ def test_serving_decode_takes_the_saturated_gate_limits(gate, v_first):
         o64, s64 = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="reference")
     assert torch.isfinite(o).all() and torch.isfinite(pool).all()
     assert rel_err(o, o64) < 1e-5 and rel_err(pool, s64) < 1e-5
+
+
+@pytest.mark.parametrize("where", ["g", "dt_bias"])
+@pytest.mark.parametrize("gate", ["softplus", "bounded"])
+@pytest.mark.parametrize("backend", SLOPE_RUNS)
+def test_infinite_gate_inputs_take_their_limits(gate, backend, where):
+    # z = g + dt_bias = +-inf under a finite rate: the gate sits at its limit (softplus: decay 0 at
+    # +inf, 1 at -inf; bounded: the step), the gradients through those channels are 0, and
+    # A_log's gradient (a sum of dg * g, or of dz * z) must take the limit 0 of those products,
+    # not 0 * inf = NaN: the native chain rule did form it for the bounded gate, the reference for
+    # both gates (docs/math.md "Saturation").
+    p = _problem(gate, 0.5)
+    if where == "g":
+        p.g[:, 3, 1, 0] = float("inf")
+        p.g[:, 5, 0, 2] = float("-inf")
+        p.g[:, 9, 1, 5] = float("inf")
+    else:
+        bias = p.kwargs["dt_bias"].clone().reshape(2, 8)
+        bias[1, 0], bias[0, 2] = float("inf"), float("-inf")
+        p.kwargs["dt_bias"] = bias.reshape(-1)
+    o32, s32, g32 = _grads(SLOPE_RUNS[backend], p, torch.float32)
+    o64, s64, g64 = _grads(SLOPE_RUNS[backend], p, torch.float64)
+    assert torch.isfinite(o32).all() and torch.isfinite(s32).all()
+    assert rel_err(o32, o64) < 1e-5 and rel_err(s32, s64) < 1e-5
+    for name in NAMES:
+        assert torch.isfinite(g32[name]).all(), name
+        assert torch.isfinite(g64[name]).all(), name
+        assert rel_err(g32[name], g64[name]) < 1e-4, name
+    if where == "g":
+        assert g64["g"][:, 3, 1, 0] == 0 and g64["g"][:, 5, 0, 2] == 0

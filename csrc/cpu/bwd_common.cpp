@@ -137,7 +137,8 @@ KDA_CLONES void chain_rule_tokens(const ChainArgs<T>& C, int64_t t0, int64_t t1)
         // Saturated gates (docs/math.md "Saturation"): where exp(A_log) overflowed to inf the
         // gate sits at its limit and every gradient through it is 0; where the log-decay
         // overflowed to -inf the decay underflowed, dg = a * (...) is exactly 0, and its product
-        // with g is the limit 0 of exp(g) g, not 0 * inf = NaN.
+        // with g is the limit 0 of exp(g) g, not 0 * inf = NaN. Likewise the bounded gate at an
+        // infinite z (g or dt_bias infinite): its slope is 0, and dz z is the limit 0.
         const bool rate_inf = C.expA && std::isinf(C.expA[hv]);
         if (C.softplus) {
           const T mA = -C.expA[hv];
@@ -154,7 +155,10 @@ KDA_CLONES void chain_rule_tokens(const ChainArgs<T>& C, int64_t t0, int64_t t1)
             if (C.expA) dz = rate_inf ? T(0) : dz * eA;
             dg[i] = dz;
           }
-          rowA = sum_k<T>(K, [&](int64_t i) { return dg[i] * (gz[i] + (bias ? bias[i] : T(0))); });
+          rowA = sum_k<T>(K, [&](int64_t i) {
+            const T d = dg[i];
+            return d == T(0) ? T(0) : d * (gz[i] + (bias ? bias[i] : T(0)));
+          });
         }
         if (C.dA_rows) C.dA_rows[t * HV + hv] = rowA;
       }

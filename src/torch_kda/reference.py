@@ -71,15 +71,25 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
         saturated = torch.isinf(A.detach().exp())
         rate = torch.where(saturated, torch.zeros_like(A), A).exp()
     if lower_bound is None:
-        # softplus gate: g = -exp(A_log) * softplus(z); saturated: -inf (a decay of exactly 0)
-        g_log = -rate * F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
-        return torch.where(saturated, torch.full_like(g_log, -math.inf), g_log)
+        # softplus gate: g = -exp(A_log) * softplus(z); saturated: -inf (a decay of exactly 0).
+        # Where the product itself is -inf (z = +inf, or a large rate times a large softplus) the
+        # decay is 0 and so is every gradient through the gate, its limit: the product is formed
+        # again from 0 there, so that autograd does not form 0 * inf = NaN for A_log.
+        sp = F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
+        to_zero = torch.isinf((rate * sp).detach()) | saturated
+        g_log = -rate * torch.where(to_zero, torch.zeros_like(sp), sp)
+        return torch.where(to_zero, torch.full_like(g_log, -math.inf), g_log)
     # bounded gate: g = lower_bound * sigmoid(exp(A_log) * z), in [lower_bound, 0);
     # saturated: sigmoid(inf * z) = (sign(z) + 1) / 2
     if A_log is None:
         return lower_bound * sigmoid_accurate_slope(z)
-    s = torch.where(saturated, (torch.sign(z) + 1) / 2, sigmoid_accurate_slope(rate * z))
-    return lower_bound * s
+    # Where exp(A_log) * z is infinite (z itself infinite, or a large rate times a large z) the
+    # gate is that step too, its gradient 0 (the limit of sigmoid'(x) z); z is replaced by 0 there
+    # so that autograd does not form 0 * inf = NaN for A_log. (Saturated, rate is 1 and x = z.)
+    x = (rate * z).detach()
+    step = torch.isinf(x) | saturated
+    s = sigmoid_accurate_slope(rate * torch.where(step, torch.zeros_like(z), z))
+    return lower_bound * torch.where(step, (torch.sign(x) + 1) / 2, s)
 
 
 def kda_gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor] = None,

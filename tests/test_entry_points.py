@@ -8,7 +8,9 @@
 - the Hugging Face converter refuses overrides that change the function;
 - ``compat.flash_kda.fwd`` and ``chunk_kda`` share one ``scale`` policy (TypeError for types,
   ValueError for NaN/inf; NumPy scalars are numbers);
-- ``chunk_kda`` accepts FLA's ``cu_seqlens_cpu`` and ``disable_recompute``.
+- ``chunk_kda`` accepts FLA's ``cu_seqlens_cpu``, ``disable_recompute``, ``cp_context``,
+  ``use_graph`` and ``max_num_seqs``; FLA 0.6's positional ``A_log``, ``dt_bias`` get an error
+  that names the keyword form.
 """
 
 from __future__ import annotations
@@ -191,6 +193,36 @@ def test_chunk_kda_accepts_fla_cu_seqlens_cpu_and_disable_recompute():
         torch_kda.chunk_kda(*p.args, **no_cu, cu_seqlens_cpu=cu)
     with pytest.raises(TypeError, match="disable_recompute"):
         torch_kda.chunk_kda(*p.args, **p.kwargs, disable_recompute="yes")
+
+
+def test_chunk_kda_accepts_fla_graph_and_context_parallel_keywords():
+    # fla-core 0.6's chunk_kda takes cp_context, use_graph and max_num_seqs: a call written for it
+    # runs here with them at their CPU meaning (cp_context None; the graph arguments checked as
+    # FLA checks them, the result unchanged).
+    p = make_problem(seqlens=(3, 5), H=2, K=4, V=3, seed=13, dtype=torch.float32)
+    base, _ = torch_kda.chunk_kda(*p.args, **p.kwargs)
+    for backend in ("native", "reference"):
+        o, _ = torch_kda.chunk_kda(*p.args, **p.kwargs, cp_context=None, use_graph=True,
+                                   max_num_seqs=2, backend=backend)
+        assert rel_err(o, base) < 1e-5
+    with pytest.raises(ValueError, match="max_num_seqs=4 needs cu_seqlens of exactly"):
+        torch_kda.chunk_kda(*p.args, **p.kwargs, use_graph=True, max_num_seqs=4)
+    with pytest.raises(ValueError, match="cp_context .* backend='fla'"):
+        torch_kda.chunk_kda(*p.args, **p.kwargs, cp_context=object())
+    with pytest.raises(TypeError, match="use_graph must be a bool"):
+        torch_kda.chunk_kda(*p.args, **p.kwargs, use_graph="yes")
+    with pytest.raises(TypeError, match="max_num_seqs must be an int"):
+        torch_kda.chunk_kda(*p.args, **p.kwargs, max_num_seqs=2.0)
+
+
+def test_fla_positional_gate_parameters_get_a_pointed_error():
+    # FLA 0.6's fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, scale, ...): positionally,
+    # A_log lands on torch-kda's scale; the error names the keyword form instead of only float().
+    p = make_problem(B=1, T=5, H=2, K=4, V=4, seed=14, dtype=torch.float32, gate="softplus")
+    kw = {k: v for k, v in p.kwargs.items() if k not in ("A_log", "dt_bias", "scale")}
+    with pytest.raises(TypeError, match="A_log and dt_bias positionally before scale"):
+        torch_kda.fused_recurrent_kda(*p.args, p.kwargs["A_log"], p.kwargs["dt_bias"], **{
+            k: v for k, v in kw.items() if k != "initial_state"})
 
 
 @pytest.mark.parametrize("backend", ["native", "reference"])

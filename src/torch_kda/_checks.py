@@ -137,7 +137,9 @@ def check_scale(scale, K: int, dtype: torch.dtype) -> float:
     if scale is None:
         return K ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        hint = "; pass float(scale)" if isinstance(scale, torch.Tensor) else ""
+        hint = ("; pass float(scale) (FLA 0.6's fused_recurrent_kda takes A_log and dt_bias "
+                "positionally before scale; torch-kda takes them by keyword: A_log=..., dt_bias=...)"
+                if isinstance(scale, torch.Tensor) else "")
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}{hint}")
     if not _finite_in_compute(float(scale), dtype):
         raise ValueError(f"scale must be finite (in the compute dtype: float32 unless the inputs "
@@ -208,6 +210,29 @@ def check_cu_seqlens_values(values: List[int], T: int, name: str = "cu_seqlens")
                 f"{name}[{i + 1}] = {values[i + 1]}")
     if values[-1] != T:
         raise ValueError(f"{name}[-1] must equal T = {T}, got {values[-1]}")
+
+
+def check_graph_args(use_graph, max_num_seqs, cu_seqlens) -> None:
+    """FLA's CUDA-graph arguments of ``chunk_kda`` (fla-core 0.6): ``use_graph`` a bool,
+    ``max_num_seqs`` None or a positive int that, with ``use_graph`` and ``cu_seqlens``, equals the
+    number of sequences (FLA asserts it: a graph is captured for a fixed count).
+
+    Raises:
+        TypeError: ``use_graph`` not a bool, ``max_num_seqs`` not an int.
+        ValueError: ``max_num_seqs`` < 1, or not the number of sequences of ``cu_seqlens``.
+    """
+    if not isinstance(use_graph, bool):
+        raise TypeError(f"use_graph must be a bool, got {type(use_graph).__name__} {use_graph!r}")
+    if max_num_seqs is None:
+        return
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int):
+        raise TypeError(f"max_num_seqs must be an int or None, got {type(max_num_seqs).__name__}")
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if use_graph and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.numel() - 1 != max_num_seqs:
+        raise ValueError(f"use_graph with max_num_seqs={max_num_seqs} needs cu_seqlens of exactly "
+                         f"max_num_seqs + 1 entries (pad it with zero-length sequences), got "
+                         f"{cu_seqlens.numel()} entries")
 
 
 def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, q) -> None:

@@ -25,7 +25,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from . import _fla, _native, reference
-from ._checks import (KDAInputs, check_cu_seqlens_cpu, check_serving_inputs, forward_ad_active,
+from ._checks import (KDAInputs, check_cu_seqlens_cpu, check_graph_args, check_serving_inputs, forward_ad_active,
                       has_tangent)
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "kda_gate", "available_backends", "BackendStatus",
@@ -150,7 +150,10 @@ def fused_recurrent_kda(
             ``use_gate_in_kernel=True``.
         beta: ``[B, T, HV]`` write strength in ``[0, 1]``, or logits with
             ``use_beta_sigmoid_in_kernel=True``.
-        scale: query scale, default ``K ** -0.5``.
+        scale: query scale, default ``K ** -0.5``. The sixth positional argument, as in FLA's
+            ``chunk_kda``; FLA 0.6's ``fused_recurrent_kda`` takes ``A_log`` and ``dt_bias``
+            positionally before it: pass those by keyword here (a tensor given as ``scale``
+            raises a TypeError that says so).
         initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), any float
             dtype; zeros when None. N = B, or the number of sequences in ``cu_seqlens``.
         output_final_state: also return the final state.
@@ -240,6 +243,7 @@ def chunk_kda(
     inplace_final_state: bool = False, return_intermediate_states: bool = False,
     out: Optional[torch.Tensor] = None, pad_slot_id: int = -1, *,
     cu_seqlens_cpu: Optional[torch.Tensor] = None, disable_recompute: bool = False,
+    cp_context: object = None, use_graph: bool = False, max_num_seqs: Optional[int] = None,
 ):
     """Kimi Delta Attention for training and prefill: a drop-in for ``fla.ops.kda.chunk_kda``.
 
@@ -270,6 +274,11 @@ def chunk_kda(
             instead of recomputing them; a memory/speed trade-off that never changes the result.
             Accepted for compatibility; the native backward always recomputes from checkpoints
             every 64 tokens and the reference keeps what autograd keeps.
+        cp_context, use_graph, max_num_seqs: keyword only, FLA's (fla-core 0.6) context
+            parallelism (a sequence split across GPUs) and CUDA-graph capture, passed to FLA with
+            ``backend="fla"``. On the CPU backends ``cp_context`` must be None (one CPU has nothing
+            to split across); ``use_graph`` changes nothing there, and with it ``max_num_seqs``
+            must equal the number of sequences in ``cu_seqlens``, as FLA asserts.
 
     The ``"reference"`` backend runs the chunkwise form (docs/math.md "Chunkwise form"; Kimi Linear
     report Eq. 10); ``"native"`` runs the C++ chunkwise kernel ``torch.ops.kda.chunk`` (matrix
@@ -299,6 +308,7 @@ def chunk_kda(
         raise TypeError(f"disable_recompute must be a bool, got {type(disable_recompute).__name__}")
     if cu_seqlens_cpu is not None:
         check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, q)
+    check_graph_args(use_graph, max_num_seqs, cu_seqlens)
     backend = _backend_for_tangents(backend, q, k, v, g, beta, initial_state, A_log, dt_bias)
     x, srv = check_serving_inputs(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -307,6 +317,12 @@ def chunk_kda(
         inplace_final_state=inplace_final_state, out=out, pad_slot_id=pad_slot_id,
         return_intermediate_states=return_intermediate_states, method="chunk")
     chosen = _resolve_backend(backend, x)
+    fla_extra = dict(cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs)
+    if cp_context is not None and (chosen != "fla" or srv is not None):
+        raise ValueError("cp_context (FLA's context parallelism, a sequence split across GPUs) runs "
+                         "with backend='fla' and without serving arguments only; got "
+                         f"{type(cp_context).__name__} for the {chosen} backend"
+                         f"{' with serving arguments' if srv is not None else ''}, expected None")
     if srv is not None:
         if chosen == "fla":
             return _fla.serving_chunk(x, srv)
@@ -326,7 +342,8 @@ def chunk_kda(
             return _native.chunk(x)
         return _native.fused_recurrent(x)
     if chosen == "fla":
-        return _fla.chunk(x, cu_seqlens_cpu=cu_seqlens_cpu, disable_recompute=disable_recompute)
+        return _fla.chunk(x, cu_seqlens_cpu=cu_seqlens_cpu, disable_recompute=disable_recompute,
+                          **fla_extra)
     return reference.run_reference(x, "chunk")
 
 

@@ -57,7 +57,8 @@ def _require_cuda(x: KDAInputs) -> None:
 
 
 def chunk(x: KDAInputs, cu_seqlens_cpu: Optional[torch.Tensor] = None,
-          disable_recompute: bool = False, **graph_and_cp) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+          disable_recompute: bool = False,
+          **graph_and_cp) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """FLA's ``fla.ops.kda.chunk_kda`` with the same arguments (``graph_and_cp``: its
     ``cp_context``, ``use_graph``, ``max_num_seqs``, passed only where not at their defaults, so
     FLA releases without them keep working)."""
@@ -66,7 +67,8 @@ def chunk(x: KDAInputs, cu_seqlens_cpu: Optional[torch.Tensor] = None,
         raise ValueError(f"backend='fla' supports chunk_size 32 or 64, got {x.chunk_size}")
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    extra = {name: value for name, value in graph_and_cp.items() if value not in (None, False)}
+    extra = {name: value for name, value in graph_and_cp.items()
+             if value is not None and value is not False}
     return fla_chunk_kda(x.q, x.k, x.v, x.g, x.beta, safe_gate=x.safe_gate,
                          chunk_size=x.chunk_size, cu_seqlens_cpu=cu_seqlens_cpu,
                          disable_recompute=disable_recompute, **extra, **_kwargs(x))

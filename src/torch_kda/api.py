@@ -25,8 +25,8 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from . import _fla, _native, reference
-from ._checks import (KDAInputs, check_cu_seqlens_cpu, check_graph_args, check_serving_inputs, forward_ad_active,
-                      has_tangent)
+from ._checks import (KDAInputs, check_cu_seqlens_cpu, check_graph_args, check_serving_inputs,
+                      forward_ad_active, has_tangent)
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "kda_gate", "available_backends", "BackendStatus",
            "BACKENDS"]
@@ -317,7 +317,6 @@ def chunk_kda(
         inplace_final_state=inplace_final_state, out=out, pad_slot_id=pad_slot_id,
         return_intermediate_states=return_intermediate_states, method="chunk")
     chosen = _resolve_backend(backend, x)
-    fla_extra = dict(cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs)
     if cp_context is not None and (chosen != "fla" or srv is not None):
         raise ValueError("cp_context (FLA's context parallelism, a sequence split across GPUs) runs "
                          "with backend='fla' and without serving arguments only; got "
@@ -343,7 +342,7 @@ def chunk_kda(
         return _native.fused_recurrent(x)
     if chosen == "fla":
         return _fla.chunk(x, cu_seqlens_cpu=cu_seqlens_cpu, disable_recompute=disable_recompute,
-                          **fla_extra)
+                          cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs)
     return reference.run_reference(x, "chunk")
 
 

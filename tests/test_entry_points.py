@@ -213,6 +213,10 @@ def test_chunk_kda_accepts_fla_graph_and_context_parallel_keywords():
         torch_kda.chunk_kda(*p.args, **p.kwargs, use_graph="yes")
     with pytest.raises(TypeError, match="max_num_seqs must be an int"):
         torch_kda.chunk_kda(*p.args, **p.kwargs, max_num_seqs=2.0)
+    # a 2-D cu_seqlens gets its own shape error, not the count's
+    with pytest.raises(ValueError, match="cu_seqlens must be 1-D"):
+        torch_kda.chunk_kda(*p.args, **{**p.kwargs, "cu_seqlens": p.kwargs["cu_seqlens"][None]},
+                            use_graph=True, max_num_seqs=5)
 
 
 def test_fla_positional_gate_parameters_get_a_pointed_error():
@@ -223,6 +227,8 @@ def test_fla_positional_gate_parameters_get_a_pointed_error():
     with pytest.raises(TypeError, match="A_log and dt_bias positionally before scale"):
         torch_kda.fused_recurrent_kda(*p.args, p.kwargs["A_log"], p.kwargs["dt_bias"], **{
             k: v for k, v in kw.items() if k != "initial_state"})
+    with pytest.raises(TypeError, match=r"pass float\(scale\)$"):  # a 0-d tensor: no FLA hint
+        torch_kda.fused_recurrent_kda(*p.args, **p.kwargs | {"scale": torch.tensor(0.3)})
 
 
 @pytest.mark.parametrize("backend", ["native", "reference"])

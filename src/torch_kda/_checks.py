@@ -137,9 +137,13 @@ def check_scale(scale, K: int, dtype: torch.dtype) -> float:
     if scale is None:
         return K ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        hint = ("; pass float(scale) (FLA 0.6's fused_recurrent_kda takes A_log and dt_bias "
-                "positionally before scale; torch-kda takes them by keyword: A_log=..., "
-                "dt_bias=...)" if isinstance(scale, torch.Tensor) else "")
+        hint = ""
+        if isinstance(scale, torch.Tensor):
+            # A 1-D tensor here is most likely A_log in FLA 0.6's positional order.
+            hint = "; pass float(scale)" if scale.dim() != 1 else (
+                "; a 1-D tensor as scale is likely A_log: FLA 0.6's fused_recurrent_kda takes "
+                "A_log and dt_bias positionally before scale, torch-kda takes them by keyword "
+                "(A_log=..., dt_bias=...)")
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}{hint}")
     if not _finite_in_compute(float(scale), dtype):
         raise ValueError(f"scale must be finite (in the compute dtype: float32 unless the inputs "
@@ -229,8 +233,9 @@ def check_graph_args(use_graph, max_num_seqs, cu_seqlens) -> None:
         raise TypeError(f"max_num_seqs must be an int or None, got {type(max_num_seqs).__name__}")
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    n_seqs = cu_seqlens.numel() - 1 if isinstance(cu_seqlens, torch.Tensor) else None
-    if use_graph and n_seqs is not None and n_seqs != max_num_seqs:
+    # (a cu_seqlens that is not a 1-D tensor gets its own error from the input checks)
+    one_d = isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
+    if use_graph and one_d and cu_seqlens.numel() - 1 != max_num_seqs:
         raise ValueError(f"use_graph with max_num_seqs={max_num_seqs} needs cu_seqlens of exactly "
                          f"max_num_seqs + 1 entries (pad it with zero-length sequences), got "
                          f"{cu_seqlens.numel()} entries")

@@ -57,18 +57,21 @@ def _require_cuda(x: KDAInputs) -> None:
 
 
 def chunk(x: KDAInputs, cu_seqlens_cpu: Optional[torch.Tensor] = None,
-          disable_recompute: bool = False,
-          **graph_and_cp) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """FLA's ``fla.ops.kda.chunk_kda`` with the same arguments (``graph_and_cp``: its
-    ``cp_context``, ``use_graph``, ``max_num_seqs``, passed only where not at their defaults, so
-    FLA releases without them keep working)."""
+          disable_recompute: bool = False, cp_context: object = None, use_graph: bool = False,
+          max_num_seqs: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """FLA's ``fla.ops.kda.chunk_kda`` with the same arguments (``cp_context``, ``use_graph``,
+    ``max_num_seqs`` passed only where not at their defaults, so FLA releases without them keep
+    working)."""
     _require_cuda(x)
     if x.chunk_size not in (32, 64):
         raise ValueError(f"backend='fla' supports chunk_size 32 or 64, got {x.chunk_size}")
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    extra = {name: value for name, value in graph_and_cp.items()
-             if value is not None and value is not False}
+    extra = dict(cp_context=cp_context) if cp_context is not None else {}
+    if use_graph:
+        extra["use_graph"] = True
+    if max_num_seqs is not None:
+        extra["max_num_seqs"] = max_num_seqs
     return fla_chunk_kda(x.q, x.k, x.v, x.g, x.beta, safe_gate=x.safe_gate,
                          chunk_size=x.chunk_size, cu_seqlens_cpu=cu_seqlens_cpu,
                          disable_recompute=disable_recompute, **extra, **_kwargs(x))

@@ -113,6 +113,22 @@ def test_gradients_across_backward_blocks_match_the_float64_reference(op, gate, 
         assert rel_err(g32[name], gr) < 5e-5, name
 
 
+# The recurrent backward keeps the running gradient of the state between blocks in its own
+# layout, one transposed 32-column slice after another: with two value heads the units split the
+# V = 70 columns (three slices, the last 6 wide) into groups, and K = 256 rows make blocks of five
+# chunks, so the gradient crosses blocks in every slice and group, from dht (the sequence that ends
+# in a later block than the others) to dh0, in both state layouts.
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["k_first", "v_first"])
+def test_state_gradient_carries_across_blocks_in_every_column_slice(state_v_first):
+    p = make_problem(B=1, T=0, H=1, HV=2, K=256, V=70, seqlens=(700, 0, 330), gate="softplus",
+                     state_v_first=state_v_first, seed=13)
+    p64 = p.to(torch.float64, requires_grad=True)
+    g_ref = grads(lambda x: reference.fused_recurrent_kda(*x.args, **x.kwargs), p64)
+    g32 = grads(native, p.to(torch.float32, requires_grad=True))
+    for name, gr in g_ref.items():
+        assert rel_err(g32[name], gr) < 5e-5, name
+
+
 def test_mixed_16_bit_and_fp32_inputs_equal_fp32_inputs_of_the_same_values():
     # The pre-processing pass reads each input as it is stored (bf16 q/k/v, an fp16 gate input,
     # fp32 beta logits here): the result is bitwise the fp32 op's on the same values.

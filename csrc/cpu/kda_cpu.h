@@ -350,8 +350,9 @@ std::vector<at::Tensor> run_backward(const at::Tensor& d_o,
 // t - A.seqs.vo_shift[n] when those are block buffers), then run_block(A, rs, re, j) runs the
 // kernel's units on it: they write their partial gradients w.r.t. the pre-processed inputs at
 // the block rows (`groups` partials per value head, A.group_stride apart), dv at the global
-// token, and carry the gradient of the state between blocks in A.dh0 (the range that ends a
-// sequence starts from A.dht; an empty sequence runs in block 0 only, see block_has_work); then
+// token, and carry the gradient of the state between blocks (the recurrent kernels in their
+// A.slices, the chunk kernel in A.dh0; the range that ends a sequence starts from A.dht; an empty
+// sequence runs in block 0 only, see block_has_work); then
 // the chain rule through the pre-processing writes the block's rows of `out`. Nothing full-size
 // is allocated besides the outputs; results do not depend on where blocks start. Values outside
 // the domain are reported after the last block (the smallest index: the forward's message).

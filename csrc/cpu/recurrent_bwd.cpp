@@ -58,8 +58,19 @@ void run_recurrent_bwd(const Inputs& in, const Config& cfg, const BwdSetup& s,
   const int64_t groups = kernel.groups, units = d.N * HV * groups;
   kernel.units = units;
   kernel.side_work = true;
-  kernel.run_block = [&](const kernels::BwdArgs<T>& A, const std::vector<int64_t>& rs,
+  // The running state gradients between token blocks, in the kernels' layout (BwdArgs::slices),
+  // made at the first block run (the last, j = n_blocks - 1) of a call in several; a call in one
+  // block keeps them in the threads' scratch instead.
+  at::Tensor grads;
+  bool first_block = true;
+  kernel.run_block = [&](const kernels::BwdArgs<T>& block_args, const std::vector<int64_t>& rs,
                          const std::vector<int64_t>& re, int64_t j, const SideWork& side) {
+    if (first_block && j > 0) {
+      grads = empty_output({kernels::bwd_slices_elems(d.N, HV, K, d.V)}, out.dv.options());
+    }
+    first_block = false;
+    kernels::BwdArgs<T> A = block_args;
+    A.slices = grads.defined() ? grads.data_ptr<T>() : nullptr;
     run_units_beside(units, side, [&](const auto& take) {
       T* ws = ws0 + std::min<int64_t>(at::get_thread_num(), threads - 1) * ws_stride;
       for (int64_t u; take(u);) {

@@ -200,6 +200,8 @@ inline void stream_fence() {
 // prefetchers do not follow; the read of v was a miss to memory on the critical path of every
 // token (the whole row sweep waits for u), ~13% of the AVX-512 forward.
 constexpr int64_t kPrefetchTokens = 2;
+// Tokens at the end of a backward chunk over which the next call's checkpoint is prefetched.
+constexpr int64_t kCkptPrefetchTokens = 16;
 template <typename T>
 inline void prefetch_cols(const T* p, int64_t width, bool for_write) {
   for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64) {
@@ -998,7 +1000,8 @@ inline void bwd_sweep_tr(vec_t<T>* Hs, int64_t K, int64_t KV, int64_t width,
 // (carried between chunks), Z one vector per column (lane partials of the column sums).
 template <typename T>
 void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t width, int64_t p,
-               bool first, int64_t c, vec_t<T>* Sbuf, T* rbuf, vec_t<T>* Hs, vec_t<T>* Z) {
+               bool first, int64_t c, const T* ck, const T* ck_next, vec_t<T>* Sbuf, T* rbuf,
+               vec_t<T>* Hs, vec_t<T>* Z) {
   using V = vec_t<T>;
   constexpr int64_t L = kLanes<T>;
   constexpr int64_t NC = kBwdSlice / L;  // column vectors of a slice
@@ -1006,12 +1009,9 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   const int64_t Kp = padded_rows(K), KV = Kp / L, SS = kBwdSlice * KV;
   const int64_t h = hv / (HV / H);
   const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
-  const int64_t origin = A.seqs.origin[n], slot_base = A.seqs.slot_base[n];
+  const int64_t origin = A.seqs.origin[n];
   const int64_t sh = A.seqs.row_shift(n);
   const int64_t vsh = A.seqs.vo_row_shift(n);  // v, grad_o: block rows or not
-  const int64_t state_off = (n * HV + hv) * K * Vd + j0;  // in [N, HV, K, V]
-  const int64_t ckpt_off = hv * K * Vd + j0;               // in one slot of [slots, HV, K, V]
-  const int64_t slot_stride = HV * K * Vd;
   // Rows of the pre-processed block arrays at the local token index (t - sh).
   const T* a_h = A.a + (hv * A.BT - sh) * K;
   const T* ak_h = A.ak + (hv * A.BT - sh) * K;
@@ -1030,11 +1030,7 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   const int64_t s0 = imax(ts, origin + c * kChunk);
   const int64_t e = imin(te, origin + (c + 1) * kChunk);
   // Recompute the states S_{t-1} (t in [s0, e)) and the reads r_t of the chunk.
-  if (s0 == ts) {
-    load_slice_tr<T>(Sb, A.h0 ? A.h0 + state_off : nullptr, K, Vd, width);
-  } else {
-    load_slice_tr<T>(Sb, A.ckpt + (slot_base + c) * slot_stride + ckpt_off, K, Vd, width);
-  }
+  load_slice_tr<T>(Sb, ck, K, Vd, width);
   {
     int64_t ib = 0;
     for (; ib + kRecVecs <= KV; ib += kRecVecs) {
@@ -1097,11 +1093,10 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
   bwd_sweep_tr<T, false, true>(Hs, K, KV, width, tok[ci], cols, tok[ci], Z, none);
   lane_sums<T>(cols.delta, Z, width);
   for (int64_t j = width; j < kBwdSlice; ++j) cols.delta[j] = T(0);
-  // The checkpoint of the chunk before (this slice's next chunk), a few rows per token, so that
-  // its load at the start of that chunk hits the cache.
-  const T* ck_prev =
-      s0 > ts && A.ckpt ? A.ckpt + (slot_base + c - 1) * slot_stride + ckpt_off : nullptr;
-  const int64_t ck_rows = (K + kChunk - 1) / kChunk;
+  // The next call's checkpoint (its first load), a few rows per token in this chunk's last
+  // kCkptPrefetchTokens tokens: late enough that this chunk's states, streaming through L2, do
+  // not evict it before that call reads it.
+  const int64_t ck_rows = (K + kCkptPrefetchTokens - 1) / kCkptPrefetchTokens;
   for (int64_t t = e - 1; t >= s0; --t) {
     const BwdToken<T>& cur = tok[ci];
     BwdToken<T>& nxt = tok[ci ^ 1];
@@ -1118,9 +1113,10 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
       prefetch_cols(A.dout + ((tp - vsh) * HV + hv) * Vd + j0, width, false);
       prefetch_cols(A.dv + (tp * HV + hv) * Vd + j0, width, true);
     }
-    if (ck_prev) {
-      for (int64_t i = (t - s0) * ck_rows; i < imin(K, (t - s0 + 1) * ck_rows); ++i) {
-        prefetch_cols(ck_prev + i * Vd, width, false);
+    if (ck_next && t - s0 < kCkptPrefetchTokens) {
+      const int64_t r0 = (t - s0) * ck_rows;
+      for (int64_t i = r0; i < imin(K, r0 + ck_rows); ++i) {
+        prefetch_cols(ck_next + i * Vd, width, false);
       }
     }
     T* dvt = A.dv + (t * HV + hv) * Vd + j0;
@@ -1158,47 +1154,69 @@ void bwd_chunk(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t j0, int64_t w
 // [s_begin, s_end) of value head hv of sequence n, writing partial p of the sums over columns (the
 // first slice stores, the others add, in slice order). Chunks run last first; inside a chunk every
 // slice runs before the next chunk, so the chunk's input rows and gradient rows are fetched once
-// and reused from cache by all slices. The running state gradient comes from dht (the range that
-// ends the sequence) or dh0 (a later range ran before) and goes back to dh0. ws: the caller's
-// scratch (bwd_scratch_elems); nothing is allocated here.
+// and reused from cache by all slices. The running state gradient is loaded from dht at the range
+// that ends the sequence, stays in A.slices (or the scratch) between ranges, and goes to dh0 at
+// the range that starts it. ws: the caller's scratch (bwd_scratch_elems); nothing is allocated
+// here.
 template <typename T>
 void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
               int64_t p, int64_t t0, int64_t t1, T* ws) {
   using V = vec_t<T>;
   static_assert(kBwdSlice % kLanes<T> == 0, "a slice is a whole number of vectors");
   const int64_t K = A.K, Vd = A.V, HV = A.HV;
-  const int64_t Kp = padded_rows(K), SS = kBwdSlice * Kp;  // elements of a transposed slice
+  const int64_t SS = bwd_slice_elems(K);  // elements of a transposed slice
   const int64_t n_sl = s_end - s_begin;
+  const int64_t n_all = (Vd + kBwdSlice - 1) / kBwdSlice;
+  const int64_t ts = A.seqs.seq_start[n], te = A.seqs.seq_end[n];
   const int64_t origin = A.seqs.origin[n];
   const int64_t state_base = (n * HV + hv) * K * Vd;  // in [N, HV, K, V]
-  // The caller's scratch, in the order of bwd_scratch_elems.
+  // The caller's scratch, in the order of bwd_scratch_elems; the running state gradients in
+  // the unit's slots of A.slices where the sequence runs in several ranges.
   T* const Sbuf = ws;
   T* const rbuf = Sbuf + kChunk * SS;
-  T* const Hs = rbuf + kChunk * kBwdSlice;
-  T* const Z = Hs + n_sl * SS;
+  T* const Hs = A.slices ? A.slices + ((n * HV + hv) * n_all + s_begin) * SS
+                         : rbuf + kChunk * kBwdSlice;
+  T* const Z = rbuf + kChunk * kBwdSlice + n_sl * SS;
   auto slice = [&](int64_t i, int64_t& j0, int64_t& width) {
     j0 = (s_begin + i) * kBwdSlice;
     width = imin(kBwdSlice, Vd - j0);
   };
-  const T* src = A.state_grad_after(n, t1);
-  for (int64_t i = 0; i < n_sl; ++i) {
+  const int64_t slot_base = A.seqs.slot_base[n];
+  // The state that starts chunk c (the sequence's initial state before its first token, a
+  // checkpoint after it), slice [j0, ...): what bwd_chunk loads first; null: zeros.
+  auto chunk_start = [&](int64_t c, int64_t j0) -> const T* {
+    const int64_t s0 = imax(ts, origin + c * kChunk);
+    if (s0 == ts) return A.h0 ? A.h0 + state_base + j0 : nullptr;
+    return A.ckpt + (slot_base + c) * HV * K * Vd + hv * K * Vd + j0;
+  };
+  for (int64_t i = 0; t1 == te && i < n_sl; ++i) {
     int64_t j0, width;
     slice(i, j0, width);
-    load_slice_tr<T>(Hs + i * SS, src ? src + state_base + j0 : nullptr, K, Vd, width);
+    load_slice_tr<T>(Hs + i * SS, A.dht ? A.dht + state_base + j0 : nullptr, K, Vd, width);
   }
   if (t0 < t1) {
     const int64_t c_first = (t0 - origin) / kChunk;
     const int64_t c_last = (t1 - 1 - origin) / kChunk;
     for (int64_t c = c_last; c >= c_first; --c) {
       for (int64_t i = 0; i < n_sl; ++i) {
-        int64_t j0, width;
+        int64_t j0, width, j0_next, width_next;
         slice(i, j0, width);
-        bwd_chunk<T>(A, n, hv, j0, width, p, i == 0, c, reinterpret_cast<V*>(Sbuf), rbuf,
-                     reinterpret_cast<V*>(Hs + i * SS), reinterpret_cast<V*>(Z));
+        // the call after this one: the next slice, or the first slice of the chunk before
+        const T* ck_next = nullptr;
+        if (i + 1 < n_sl) {
+          slice(i + 1, j0_next, width_next);
+          ck_next = chunk_start(c, j0_next);
+        } else if (c > c_first) {
+          slice(0, j0_next, width_next);
+          ck_next = chunk_start(c - 1, j0_next);
+        }
+        bwd_chunk<T>(A, n, hv, j0, width, p, i == 0, c, chunk_start(c, j0), ck_next,
+                     reinterpret_cast<V*>(Sbuf), rbuf, reinterpret_cast<V*>(Hs + i * SS),
+                     reinterpret_cast<V*>(Z));
       }
     }
   }
-  for (int64_t i = 0; i < n_sl; ++i) {
+  for (int64_t i = 0; t0 == ts && i < n_sl; ++i) {
     int64_t j0, width;
     slice(i, j0, width);
     store_slice_tr<T>(A.dh0 + state_base + j0, Hs + i * SS, K, Vd, width);

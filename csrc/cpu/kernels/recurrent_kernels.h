@@ -90,14 +90,23 @@ struct BwdArgs : RecurrenceInputs<T> {
   int64_t group_stride = 0; // BT * HV * K  (elements between partials of dq, dk, dg)
   int64_t group_stride_beta = 0;  // BT * HV
   T* dv = nullptr;          // [B*T, HV, V]
-  // [N, HV, K, V]: the gradient w.r.t. the initial state, and the running gradient of the state
-  // between token ranges (the range that ends a sequence reads dht, any earlier range dh0).
+  // [N, HV, K, V]: the gradient w.r.t. the initial state. The chunk backward also keeps the
+  // running gradient of the state there between token ranges (the range that ends a sequence
+  // reads dht, any earlier range dh0).
   T* dh0 = nullptr;
   // The gradient w.r.t. the state after the range of sequence n that ends at token t1 (null:
   // zero), as the rule above says.
   const T* state_grad_after(int64_t n, int64_t t1) const {
     return t1 == this->seqs.seq_end[n] ? dht : dh0;
   }
+  // The recurrent kernels' running gradient of the state between token ranges, in their own
+  // (transposed) layout: [N, HV, ceil(V / kBwdSlice)] slices of bwd_slice_elems(K) elements (the
+  // range that ends a sequence fills them from dht or zeros, the range that starts it stores them
+  // to dh0; bwd_slices_elems). Kept in place from range to range: a transposed reload from dh0 and
+  // a store back at every token block (every chunk at H16, one thread) took ~2% of the backward,
+  // and the reload missed the caches. Null only when every sequence runs in one range: the
+  // thread's scratch then holds them.
+  T* slices = nullptr;
 };
 
 // Per-token pre-processing (docs/math.md "Gates"): l2 norm and
@@ -180,9 +189,14 @@ constexpr int64_t fwd_slices_elems(int64_t N, int64_t HV, int64_t K, int64_t V) 
 // recomputed states of a chunk (kChunk slices), their reads (kChunk x kBwdSlice), the running state
 // gradient of every slice, one vector (at most 64 bytes) per column for the column sums;
 // multiples of 16 elements (64-byte aligned parts).
+constexpr int64_t bwd_slice_elems(int64_t K) { return kBwdSlice * ((K + 15) / 16 * 16); }
+
 constexpr int64_t bwd_scratch_elems(int64_t K, int64_t n_slices) {
-  return (kChunk + n_slices) * kBwdSlice * ((K + 15) / 16 * 16) + kChunk * kBwdSlice +
-         kBwdSlice * 16;
+  return (kChunk + n_slices) * bwd_slice_elems(K) + kChunk * kBwdSlice + kBwdSlice * 16;
+}
+
+constexpr int64_t bwd_slices_elems(int64_t N, int64_t HV, int64_t K, int64_t V) {
+  return N * HV * ((V + kBwdSlice - 1) / kBwdSlice) * bwd_slice_elems(K);
 }
 
 // What the pre-processing pass found outside the domain where the recurrence is defined
@@ -210,8 +224,9 @@ struct Table {
   void (*fwd_f64)(const FwdArgs<double>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
                   int64_t t0, int64_t t1, double* ws);
   // Backward of tokens [t0, t1) of sequence n (whole kChunk chunks of it, except at its ends;
-  // t1 == seq_end reads dht, else dh0), slices [s_begin, s_end) (kBwdSlice columns each) of value
-  // head hv, writing partial p; the state gradient goes to dh0. ws: the calling thread's scratch,
+  // t1 == seq_end reads dht, else the running gradient A.slices holds), slices [s_begin, s_end)
+  // (kBwdSlice columns each) of value head hv, writing partial p; the state gradient goes to dh0
+  // at the range that starts the sequence. ws: the calling thread's scratch,
   // bwd_scratch_elems(K, s_end - s_begin) elements, 64-byte aligned.
   void (*bwd_f32)(const BwdArgs<float>&, int64_t n, int64_t hv, int64_t s_begin, int64_t s_end,
                   int64_t p, int64_t t0, int64_t t1, float* ws);

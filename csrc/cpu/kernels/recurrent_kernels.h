@@ -102,10 +102,10 @@ struct BwdArgs : RecurrenceInputs<T> {
   // The recurrent kernels' running gradient of the state between token ranges, in their own
   // (transposed) layout: [N, HV, ceil(V / kBwdSlice)] slices of bwd_slice_elems(K) elements (the
   // range that ends a sequence fills them from dht or zeros, the range that starts it stores them
-  // to dh0; bwd_slices_elems). Kept in place from range to range: a transposed reload from dh0 and
-  // a store back at every token block (every chunk at H16, one thread) took ~2% of the backward,
-  // and the reload missed the caches. Null only when every sequence runs in one range: the
-  // thread's scratch then holds them.
+  // to dh0; bwd_slices_elems). Kept in place from range to range: a transposed reload from dh0
+  // (missing the caches) and a store back at every token block (every chunk at H16, one thread)
+  // took about 5% of the backward there (perf, Zen 3). Null only when every sequence runs in one
+  // range: the thread's scratch then holds them.
   T* slices = nullptr;
 };
 

@@ -58,17 +58,15 @@ void run_recurrent_bwd(const Inputs& in, const Config& cfg, const BwdSetup& s,
   const int64_t groups = kernel.groups, units = d.N * HV * groups;
   kernel.units = units;
   kernel.side_work = true;
-  // The running state gradients between token blocks, in the kernels' layout (BwdArgs::slices),
-  // made at the first block run (the last, j = n_blocks - 1) of a call in several; a call in one
-  // block keeps them in the threads' scratch instead.
+  // The running state gradients between token blocks, in the kernels' layout (BwdArgs::slices).
+  // Blocks run last first, so a call in several meets a block j > 0 first and makes them there; a
+  // call in one block (only j = 0) keeps them in the threads' scratch instead.
   at::Tensor grads;
-  bool first_block = true;
   kernel.run_block = [&](const kernels::BwdArgs<T>& block_args, const std::vector<int64_t>& rs,
                          const std::vector<int64_t>& re, int64_t j, const SideWork& side) {
-    if (first_block && j > 0) {
+    if (j > 0 && !grads.defined()) {
       grads = empty_output({kernels::bwd_slices_elems(d.N, HV, K, d.V)}, out.dv.options());
     }
-    first_block = false;
     kernels::BwdArgs<T> A = block_args;
     A.slices = grads.defined() ? grads.data_ptr<T>() : nullptr;
     run_units_beside(units, side, [&](const auto& take) {

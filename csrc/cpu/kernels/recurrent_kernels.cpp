@@ -1183,10 +1183,11 @@ void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
   };
   const int64_t slot_base = A.seqs.slot_base[n];
   // The state that starts chunk c (the sequence's initial state before its first token, a
-  // checkpoint after it), slice [j0, ...): what bwd_chunk loads first; null: zeros.
-  auto chunk_start = [&](int64_t c, int64_t j0) -> const T* {
-    const int64_t s0 = imax(ts, origin + c * kChunk);
-    if (s0 == ts) return A.h0 ? A.h0 + state_base + j0 : nullptr;
+  // checkpoint after it), in slice i: what bwd_chunk loads first; null: zeros.
+  auto chunk_start = [&](int64_t c, int64_t i) -> const T* {
+    int64_t j0, width;
+    slice(i, j0, width);
+    if (origin + c * kChunk <= ts) return A.h0 ? A.h0 + state_base + j0 : nullptr;
     return A.ckpt + (slot_base + c) * HV * K * Vd + hv * K * Vd + j0;
   };
   for (int64_t i = 0; t1 == te && i < n_sl; ++i) {
@@ -1199,18 +1200,13 @@ void bwd_unit(const BwdArgs<T>& A, int64_t n, int64_t hv, int64_t s_begin, int64
     const int64_t c_last = (t1 - 1 - origin) / kChunk;
     for (int64_t c = c_last; c >= c_first; --c) {
       for (int64_t i = 0; i < n_sl; ++i) {
-        int64_t j0, width, j0_next, width_next;
+        int64_t j0, width;
         slice(i, j0, width);
-        // the call after this one: the next slice, or the first slice of the chunk before
-        const T* ck_next = nullptr;
-        if (i + 1 < n_sl) {
-          slice(i + 1, j0_next, width_next);
-          ck_next = chunk_start(c, j0_next);
-        } else if (c > c_first) {
-          slice(0, j0_next, width_next);
-          ck_next = chunk_start(c - 1, j0_next);
-        }
-        bwd_chunk<T>(A, n, hv, j0, width, p, i == 0, c, chunk_start(c, j0), ck_next,
+        // what the call after this one loads first: the next slice's, or the chunk before's
+        const T* ck_next = i + 1 < n_sl ? chunk_start(c, i + 1)
+                           : c > c_first ? chunk_start(c - 1, 0)
+                                         : nullptr;
+        bwd_chunk<T>(A, n, hv, j0, width, p, i == 0, c, chunk_start(c, i), ck_next,
                      reinterpret_cast<V*>(Sbuf), rbuf, reinterpret_cast<V*>(Hs + i * SS),
                      reinterpret_cast<V*>(Z));
       }

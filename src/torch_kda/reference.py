@@ -74,9 +74,11 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
         # softplus gate: g = -exp(A_log) * softplus(z); saturated: -inf (a decay of exactly 0).
         # Where the product itself is -inf (z = +inf, or a large rate times a large softplus) the
         # decay is 0 and so is every gradient through the gate, its limit: the product is formed
-        # again from 0 there, so that autograd does not form 0 * inf = NaN for A_log.
+        # again from 0 there, so that autograd does not form 0 * inf = NaN for A_log. z = +inf
+        # takes that limit under any rate, also one whose exp underflowed to 0 (A_log < -103.9
+        # in float32), where rate * inf is NaN.
         sp = F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
-        to_zero = torch.isinf((rate * sp).detach()) | saturated
+        to_zero = torch.isinf((rate * sp).detach()) | torch.isinf(sp.detach()) | saturated
         g_log = -rate * torch.where(to_zero, torch.zeros_like(sp), sp)
         return torch.where(to_zero, torch.full_like(g_log, -math.inf), g_log)
     # bounded gate: g = lower_bound * sigmoid(exp(A_log) * z), in [lower_bound, 0);
@@ -86,10 +88,12 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
     # Where exp(A_log) * z is infinite (z itself infinite, or a large rate times a large z) the
     # gate is that step too, its gradient 0 (the limit of sigmoid'(x) z); z is replaced by 0 there
     # so that autograd does not form 0 * inf = NaN for A_log. (Saturated, rate is 1 and x = z.)
-    x = (rate * z).detach()
-    step = torch.isinf(x) | saturated
+    # An infinite z takes the step under any rate, also one whose exp underflowed to 0, where
+    # rate * z is NaN; the step's side is sign(z), which is sign(x) for every rate > 0.
+    zd = z.detach()
+    step = torch.isinf(rate.detach() * zd) | torch.isinf(zd) | saturated
     s = sigmoid_accurate_slope(rate * torch.where(step, torch.zeros_like(z), z))
-    return lower_bound * torch.where(step, (torch.sign(x) + 1) / 2, s)
+    return lower_bound * torch.where(step, (torch.sign(zd) + 1) / 2, s)
 
 
 def kda_gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor] = None,

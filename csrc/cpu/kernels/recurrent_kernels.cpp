@@ -459,6 +459,7 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       // "Saturation"): the softplus gate's log decay -inf, the bounded gate's sigmoid(inf * z) a
       // step (sign(z) + 1) / 2 (inf * 0 would be NaN).
       const bool rate_inf = P.expA && __builtin_isinf(P.expA[hv]);
+      const GateRate<T> rate = gate_rate(P.expA, hv);
       for (int64_t i = 0; i < K; i += kPrepVecs * L) {
         // Vector c covers [i + c L, i + c L + m[c]); past K (m <= 0) it holds zeros and is
         // neither read nor stored.
@@ -484,13 +485,13 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
           // A saturated rate's log decay is -inf (decay 0) for every z: -inf * softplus(z)
           // was NaN where softplus(z) flushed to 0 (z < -87.5).
           const V minf = splat<T>(-__builtin_inf());
-          for (int c = 0; c < kPrepVecs; ++c) gl[c] = rate_inf ? minf : -P.expA[hv] * z[c];
+          for (int c = 0; c < kPrepVecs; ++c) gl[c] = rate_inf ? minf : -rate_times(rate, z[c]);
         } else if (P.gate == GateMode::kBounded) {
           V sg[kPrepVecs], sn[kPrepVecs];  // sigmoid(x), sigmoid(-x) (the slope, backward only)
           for (int c = 0; c < kPrepVecs; ++c) {
             V z = gl[c];
             if (bias) z += load_cols(bias + i + c * L, m[c]);
-            sg[c] = rate_inf ? vsigmoid_step(z) : (P.expA ? P.expA[hv] * z : z);
+            sg[c] = rate_inf ? vsigmoid_step(z) : rate_times(rate, z);
           }
           if (slope && !rate_inf) {
             for (int c = 0; c < kPrepVecs; ++c) sn[c] = zero - sg[c];

@@ -261,10 +261,11 @@ void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
   const T* g = A.g + (tok * A.HV + hv) * K;
   const T qs = A.l2norm ? l2_rnorm<T>(q, K) * A.scale : A.scale;
   const T ks = A.l2norm ? l2_rnorm<T>(k, K) : static_cast<T>(1);
-  const T rate = A.expA ? A.expA[hv] : static_cast<T>(1);
   // exp(A_log) overflowed: the gates' limits (docs/math.md "Saturation"), as in the prefill's
-  // pass (recurrent_kernels.cpp): inf * softplus(z) and inf * 0 would be NaN.
-  const bool rate_inf = __builtin_isinf(rate);
+  // pass (recurrent_kernels.cpp): inf * softplus(z) and inf * 0 would be NaN. An underflowed or
+  // subnormal one: rate_times (vec_math.h).
+  const GateRate<T> rate = gate_rate(A.expA, hv);
+  const bool rate_inf = __builtin_isinf(rate.rate);
   vec<T> qk{};
   for (int64_t i = 0; i < K; i += kL<T>) {
     const int64_t m = K - i;
@@ -276,11 +277,11 @@ void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
       if (A.dt_bias) z += vload<T, T>(A.dt_bias + hv * K + i, m);
       const vec<T> zero{};
       if (A.gate == GateMode::kSoftplus) {
-        lg = rate_inf ? zero + static_cast<T>(-__builtin_inf()) : -rate * vsoftplus(z);
+        lg = rate_inf ? zero + static_cast<T>(-__builtin_inf()) : -rate_times(rate, vsoftplus(z));
       } else if (rate_inf) {
         lg = A.lower_bound * vsigmoid_step(z);
       } else {
-        lg = A.lower_bound * vsigmoid(rate * z);
+        lg = A.lower_bound * vsigmoid(rate_times(rate, z));
       }
     }
     const vec<T> a = vexp(lg);

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 
@@ -271,6 +272,72 @@ inline float bf16_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &w, sizeof(f));
   return f;
+}
+
+// ---- the gates' rate ---------------------------------------------------------------------------
+
+// exp(A_log) as the gates multiply it into z (rate_times). A normal rate is kept as it is. The two
+// ends below the normal range are `tiny`:
+// - a subnormal rate (A_log below about -87.3 in float, -708 in double) is held as
+//   (rate 2^64, zmul 2^-64), made from its bits. The chunk kernels run the pre-processing with
+//   denormals read as zero (chunk::FlushDenormals), where rate * z read it as 0: no decay where a
+//   huge z makes the product of order 1, and 0 * inf = NaN at an infinite z. The scaled factors
+//   are normal wherever the product is (a smaller product is a decay of 1 either way), and powers
+//   of two commute with rounding: the bits of rate * z computed without that mode.
+// - an underflowed rate (0: A_log below about -103.9 in float, -745.1 in double) stays 0; its
+//   true product with a finite z is below 2^-22, a decay within rounding of 1.
+// At an infinite z a tiny rate's product is z itself, the limit of a positive rate (docs/math.md
+// "Saturation"), not 0 * inf = NaN. A normal rate forms rate * inf = inf already; an infinite rate
+// (saturated) is the callers' case.
+template <typename T>
+struct GateRate {
+  T rate = T(1), zmul = T(1);
+  bool tiny = false;
+};
+
+// 2^e for a normal power of two, made from its bits: no std:: inline function (std::ldexp),
+// whose out-of-line copy the linker may take from an object compiled for another instruction set.
+template <typename T>
+inline T pow2(int e) {
+  using Bits = std::conditional_t<std::is_same_v<T, float>, uint32_t, uint64_t>;
+  constexpr int kMantissa = std::numeric_limits<T>::digits - 1;
+  const Bits bits = Bits(e - std::numeric_limits<T>::min_exponent + 2) << kMantissa;
+  T x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+// The rate of value head hv (expA: [HV] exp(A_log), or null: the bounded gate without A_log, 1).
+template <typename T>
+GateRate<T> gate_rate(const T* expA, int64_t hv) {
+  GateRate<T> r;
+  if (!expA) return r;
+  r.rate = expA[hv];
+  using Bits = std::conditional_t<std::is_same_v<T, float>, uint32_t, uint64_t>;
+  constexpr int kMantissa = std::numeric_limits<T>::digits - 1;
+  Bits bits;
+  std::memcpy(&bits, &r.rate, sizeof(bits));
+  // Bit tests: under denormals-are-zero a compare reads a subnormal as 0.
+  const Bits mantissa = bits & ((Bits(1) << kMantissa) - 1);
+  r.tiny = ((bits << 1) >> (kMantissa + 1)) == 0;  // exponent field 0 (sign bit shifted out)
+  if (r.tiny && mantissa != 0) {
+    // value = mantissa 2^(min_exponent - digits), so 2^64 value = mantissa 2^(that + 64): an
+    // exact integer conversion times a normal power of two (no subnormal operand).
+    constexpr int kShift =
+        std::numeric_limits<T>::min_exponent - std::numeric_limits<T>::digits + 64;
+    const T m = static_cast<T>(static_cast<int64_t>(mantissa));
+    r.rate = (bits >> (8 * sizeof(T) - 1) ? -m : m) * pow2<T>(kShift);
+    r.zmul = pow2<T>(-64);
+  }
+  return r;
+}
+
+// rate * z (GateRate's note): z itself where z is infinite under a tiny rate.
+template <typename VF, typename T>
+inline VF rate_times(const GateRate<T>& r, VF z) {
+  if (!r.tiny) return r.rate * z;
+  const VF inf = VF{} + static_cast<T>(__builtin_inf());
+  return (z == inf || z == -inf) ? z : r.rate * (z * r.zmul);
 }
 
 }  // namespace

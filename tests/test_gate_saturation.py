@@ -249,3 +249,29 @@ def test_serving_decode_keeps_tiny_rates_products_and_limits(gate, case):
         o64, s64 = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="reference")
     assert torch.isfinite(o).all() and torch.isfinite(pool).all()
     assert rel_err(o, o64) < 1e-5 and rel_err(pool, s64) < 1e-5
+
+
+@pytest.mark.parametrize("where", ["g", "dt_bias"])
+@pytest.mark.parametrize("gate", ["softplus", "bounded"])
+@pytest.mark.parametrize("backend", [*SLOPE_RUNS, "serving"])
+def test_nan_gate_input_propagates_under_a_saturated_rate(gate, backend, where):
+    # NaN propagates by policy (docs/bad_inputs.md); the saturated gate's limits (decay 0, the
+    # step) hold for numbers only: they had turned a NaN z of head 0 into a decay of 0 or a step.
+    p = _problem(gate, 100.0).to(torch.float32)
+    if where == "g":
+        p.g[:, 5, 0, 3] = float("nan")
+    else:
+        bias = p.kwargs["dt_bias"].clone().reshape(2, 8)
+        bias[0, 3] = float("nan")
+        p.kwargs["dt_bias"] = bias.reshape(-1)
+    with torch.no_grad():
+        if backend == "serving":
+            pool = p.kwargs.pop("initial_state").clone()
+            o, _ = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, initial_state=pool,
+                                                 ssm_state_indices=torch.arange(pool.shape[0]),
+                                                 inplace_final_state=True, backend="native")
+        else:
+            o, _ = SLOPE_RUNS[backend](p)
+    first = 5 if where == "g" else 0
+    assert torch.isnan(o[0, first:, 0]).any(), "the NaN gate input was lost"
+    assert torch.isfinite(o[0, :, 1]).all(), "the NaN reached the other head"

@@ -76,9 +76,12 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
         # decay is 0 and so is every gradient through the gate, its limit: the product is formed
         # again from 0 there, so that autograd does not form 0 * inf = NaN for A_log. z = +inf
         # takes that limit under any rate, also one whose exp underflowed to 0 (A_log < -103.9
-        # in float32), where rate * inf is NaN.
+        # in float32), where rate * inf is NaN. A NaN z stays NaN, saturated or not (NaN
+        # propagates by policy, docs/bad_inputs.md).
         sp = F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
-        to_zero = torch.isinf((rate * sp).detach()) | torch.isinf(sp.detach()) | saturated
+        spd = sp.detach()
+        to_zero = torch.isinf((rate * spd).detach()) | torch.isinf(spd) | saturated
+        to_zero = to_zero & ~spd.isnan()
         g_log = -rate * torch.where(to_zero, torch.zeros_like(sp), sp)
         return torch.where(to_zero, torch.full_like(g_log, -math.inf), g_log)
     # bounded gate: g = lower_bound * sigmoid(exp(A_log) * z), in [lower_bound, 0);
@@ -89,9 +92,10 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
     # gate is that step too, its gradient 0 (the limit of sigmoid'(x) z); z is replaced by 0 there
     # so that autograd does not form 0 * inf = NaN for A_log. (Saturated, rate is 1 and x = z.)
     # An infinite z takes the step under any rate, also one whose exp underflowed to 0, where
-    # rate * z is NaN; the step's side is sign(z), which is sign(x) for every rate > 0.
+    # rate * z is NaN; the step's side is sign(z), which is sign(x) for every rate > 0. A NaN z
+    # stays NaN.
     zd = z.detach()
-    step = torch.isinf(rate.detach() * zd) | torch.isinf(zd) | saturated
+    step = (torch.isinf(rate.detach() * zd) | torch.isinf(zd) | saturated) & ~zd.isnan()
     s = sigmoid_accurate_slope(rate * torch.where(step, torch.zeros_like(z), z))
     return lower_bound * torch.where(step, (torch.sign(zd) + 1) / 2, s)
 

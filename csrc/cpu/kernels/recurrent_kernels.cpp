@@ -482,10 +482,9 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
           } else {
             vsoftplus_n<kPrepVecs>(z);
           }
-          // A saturated rate's log decay is -inf (decay 0) for every z: -inf * softplus(z)
-          // was NaN where softplus(z) flushed to 0 (z < -87.5).
-          const V minf = splat<T>(-__builtin_inf());
-          for (int c = 0; c < kPrepVecs; ++c) gl[c] = rate_inf ? minf : -rate_times(rate, z[c]);
+          for (int c = 0; c < kPrepVecs; ++c) {
+            gl[c] = rate_inf ? vsaturated_softplus(z[c]) : -rate_times(rate, z[c]);
+          }
         } else if (P.gate == GateMode::kBounded) {
           V sg[kPrepVecs], sn[kPrepVecs];  // sigmoid(x), sigmoid(-x) (the slope, backward only)
           for (int c = 0; c < kPrepVecs; ++c) {

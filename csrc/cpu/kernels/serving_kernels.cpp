@@ -275,9 +275,8 @@ void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
       lg = z;
     } else {
       if (A.dt_bias) z += vload<T, T>(A.dt_bias + hv * K + i, m);
-      const vec<T> zero{};
       if (A.gate == GateMode::kSoftplus) {
-        lg = rate_inf ? zero + static_cast<T>(-__builtin_inf()) : -rate_times(rate, vsoftplus(z));
+        lg = rate_inf ? vsaturated_softplus(z) : -rate_times(rate, vsoftplus(z));
       } else if (rate_inf) {
         lg = A.lower_bound * vsigmoid_step(z);
       } else {

@@ -84,14 +84,26 @@ inline VF vneg_abs(VF x) {
   return x;
 }
 
-// sigmoid(inf * z), the bounded gate's limit where exp(A_log) overflowed (docs/math.md
-// "Saturation"): the step (sign(z) + 1) / 2, 1/2 at z = 0 (inf * 0 would be NaN). Shared by the
-// prefill's pass and the serving kernels.
+// The gates' limits where exp(A_log) overflowed (docs/math.md "Saturation"), shared by the
+// prefill's pass and the serving kernels. A NaN z stays NaN, as under any other rate (NaN
+// propagates by policy, docs/bad_inputs.md): the limits hold for numbers only.
+//
+// sigmoid(inf * z), the bounded gate's: the step (sign(z) + 1) / 2, 1/2 at z = 0 (inf * 0 would
+// be NaN).
 template <typename VF>
 inline VF vsigmoid_step(VF z) {
   using E = vm_elem_t<VF>;
   const VF zero{};
-  return z > zero ? zero + E(1) : (z < zero ? zero : zero + E(0.5));
+  return z > zero ? zero + E(1) : (z < zero ? zero : (z == zero ? zero + E(0.5) : z));
+}
+
+// -inf * softplus(z), the softplus gate's log decay: -inf (a decay of 0) for every z (also where
+// softplus(z) is 0: -inf * 0 would be NaN). z may be softplus(z) itself (NaN for NaN only).
+template <typename VF>
+inline VF vsaturated_softplus(VF z) {
+  using E = vm_elem_t<VF>;
+  const VF minf = VF{} - static_cast<E>(__builtin_inf());
+  return z == z ? minf : z;
 }
 
 // The float functions take N vectors and run every step for all N before the next one

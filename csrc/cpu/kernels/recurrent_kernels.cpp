@@ -458,8 +458,8 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       // exp(A_log) overflowed (A_log > log(max)): the gates take their limits (docs/math.md
       // "Saturation"): the softplus gate's log decay -inf, the bounded gate's sigmoid(inf * z) a
       // step (sign(z) + 1) / 2 (inf * 0 would be NaN).
-      const bool rate_inf = P.expA && __builtin_isinf(P.expA[hv]);
-      const GateRate<T> rate = gate_rate(P.expA, hv);
+      const GateRate<T> rate = gate_rate(P.expA, hv);  // a tiny one: rate_times (vec_math.h)
+      const bool rate_inf = __builtin_isinf(rate.rate);
       for (int64_t i = 0; i < K; i += kPrepVecs * L) {
         // Vector c covers [i + c L, i + c L + m[c]); past K (m <= 0) it holds zeros and is
         // neither read nor stored.

@@ -205,41 +205,52 @@ def test_infinite_gate_inputs_take_their_limits(gate, backend, where):
         assert g64["g"][:, 3, 1, 0] == 0 and g64["g"][:, 5, 0, 2] == 0
 
 
-# Rates below float32's normal range, with the gate inputs z (channels 0-3 of head 0) where their
-# products matter: exp(-100) = 3.7e-44 is subnormal, exp(-110) underflows to 0, exp(-88) = 6e-39
-# is subnormal with z = 2e38 making rate * z = 1.2 (float64 keeps every rate normal).
-TINY_RATES = {
+# Rates at the ends of float32's range, with the gate inputs z (channels 0-3 of head 0) where
+# their products matter (float64 keeps every rate normal and finite):
+# - below it: exp(-100) = 3.7e-44 is subnormal, exp(-110) underflows to 0, exp(-88) = 6e-39 is
+#   subnormal with z = 2e38 making rate * z = 1.2;
+# - above 2^64 (the log-space softplus gate): exp(100) overflows, and z = -100 still makes
+#   exp(100) softplus(z) = 1; exp(88) = 1.7e38 is finite while softplus(-88) is below float32's
+#   normal range; exp(80) times softplus(-80).
+EXTREME_RATES = {
     "subnormal_infinite_z": (-100.0, [float("inf"), float("-inf"), float("inf"), 3.0]),
     "underflowed_infinite_z": (-110.0, [float("inf"), float("-inf"), 1e30, 3.0]),
     "subnormal_huge_z": (-88.0, [2e38, 1e38, -2e38, 3.0]),
+    "saturated_z_far_below_0": (100.0, [-100.0, -98.5, -200.0, float("-inf")]),
+    "huge_softplus_underflow": (88.0, [-88.0, -89.5, -86.0, float("-inf")]),
+    "large_z_below_0": (80.0, [-80.0, -82.0, -95.0, 2.0]),
 }
 
 
-def _tiny_rate_problem(gate: str, case: str):
-    a_log, z_values = TINY_RATES[case]
+def _extreme_rate_problem(gate: str, case: str):
+    a_log, z_values = EXTREME_RATES[case]
     p = _problem(gate, a_log)
-    bias = p.kwargs["dt_bias"].reshape(2, 8)
-    p.g[:, :, 0, :4] = torch.tensor(z_values, dtype=torch.float64) - bias[0, :4]
+    bias = p.kwargs["dt_bias"].clone().reshape(2, 8)
+    bias[0, :4] = 0.0  # z = g exactly
+    p.kwargs["dt_bias"] = bias.reshape(-1)
+    p.g[:, :, 0, :4] = torch.tensor(z_values, dtype=torch.float64)
     return p
 
 
-@pytest.mark.parametrize("case", TINY_RATES)
+@pytest.mark.parametrize("case", EXTREME_RATES)
 @pytest.mark.parametrize("gate", ["softplus", "bounded"])
 @pytest.mark.parametrize("backend", SLOPE_RUNS)
-def test_tiny_rates_keep_their_products_and_limits(gate, backend, case):
+def test_extreme_rates_keep_their_products_and_limits(gate, backend, case):
     # The native chunk kernels run with denormals read as zero (docs/math.md "Chunkwise form"),
-    # where rate * z read a subnormal rate as 0: NaN at z = +-inf (0 * inf) and no decay at all
-    # where rate * z is of order 1. A rate that underflowed to 0 gave NaN at z = +-inf in every
-    # backend. The true values: the gates' limits at z = +-inf (decay 0 or 1, the bounded gate's
-    # step) and the decays of the finite products.
-    _assert_finite_and_float64_close(SLOPE_RUNS[backend], _tiny_rate_problem(gate, case))
+    # where rate * z read a subnormal rate (or z) as 0: NaN at z = +-inf (0 * inf) and no decay at
+    # all where rate * z is of order 1. A rate that underflowed to 0 gave NaN at z = +-inf in
+    # every backend. A saturated rate gave decay 0 for every z, where exp(100) softplus(-100) is
+    # a decay of e^-1; a huge finite one lost its product with a softplus below float32's range.
+    # The true values: the gates' limits at z = +-inf (decay 0 or 1, the bounded gate's step)
+    # and the decays of the finite products, with their gradients.
+    _assert_finite_and_float64_close(SLOPE_RUNS[backend], _extreme_rate_problem(gate, case))
 
 
-@pytest.mark.parametrize("case", TINY_RATES)
+@pytest.mark.parametrize("case", EXTREME_RATES)
 @pytest.mark.parametrize("gate", ["softplus", "bounded"])
-def test_serving_decode_keeps_tiny_rates_products_and_limits(gate, case):
-    # The serving kernels compute the gate themselves (vec_math.h's rate_times, as the prefill).
-    p = _tiny_rate_problem(gate, case)
+def test_serving_decode_keeps_extreme_rates_products_and_limits(gate, case):
+    # The serving kernels compute the gate themselves (vec_math.h, as the prefill).
+    p = _extreme_rate_problem(gate, case)
     x32 = p.to(torch.float32)
     pool = x32.kwargs.pop("initial_state").clone()
     with torch.no_grad():

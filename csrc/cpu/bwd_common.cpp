@@ -134,19 +134,25 @@ KDA_CLONES void chain_rule_tokens(const ChainArgs<T>& C, int64_t t0, int64_t t1)
         const T* slope = C.gate_slope + row;
         const T* gz = C.g + row;
         T rowA;
-        // Saturated gates (docs/math.md "Saturation"): where exp(A_log) overflowed to inf the
-        // gate sits at its limit and every gradient through it is 0; where the log-decay
-        // overflowed to -inf the decay underflowed, dg = a * (...) is exactly 0, and its product
-        // with g is the limit 0 of exp(g) g, not 0 * inf = NaN. Likewise the bounded gate at an
-        // infinite z (g or dt_bias infinite): its slope is 0, and dz z is the limit 0.
+        // Saturated gates (docs/math.md "Saturation"): under a rate >= kLogSpaceRate (inf too)
+        // the softplus gate was formed in log space and its pass stored the whole derivative of
+        // the log decay in z as the slope; where exp(A_log) overflowed the bounded gate sits at
+        // its step and every gradient through it is 0. Where the log-decay overflowed to -inf the decay underflowed, dg =
+        // a * (...) is exactly 0, and its products with g and the slope are the limit 0 (of
+        // exp(g) g), not 0 * inf = NaN. Likewise the bounded gate at an infinite z (g or
+        // dt_bias infinite): its slope is 0, and dz z is the limit 0.
         const bool rate_inf = C.expA && std::isinf(C.expA[hv]);
         if (C.softplus) {
+          const bool log_space = C.expA[hv] >= static_cast<T>(kernels::kLogSpaceRate);
           const T mA = -C.expA[hv];
           rowA = sum_k<T>(K, [&](int64_t i) {
             const T d = dg[i];
-            return (d == T(0) || rate_inf) ? T(0) : d * gz[i];
+            return d == T(0) ? T(0) : d * gz[i];
           });
-          for (int64_t i = 0; i < K; ++i) dg[i] = rate_inf ? T(0) : dg[i] * mA * slope[i];
+          for (int64_t i = 0; i < K; ++i) {
+            const T d = dg[i];
+            dg[i] = !log_space ? d * mA * slope[i] : (d == T(0) ? T(0) : d * slope[i]);
+          }
         } else {
           const T lb = C.lower_bound, eA = C.expA ? C.expA[hv] : T(1);
           const T* bias = C.bias ? C.bias + hv * K : nullptr;

@@ -70,6 +70,7 @@ void prep_chunk_rows(const BlockPrep<T>& bp, const Dims& d, const kernels::SeqIn
   P.beta16 = at_offset(P.beta16, hv);
   P.v16 = at_offset(P.v16, hv * V);
   P.expA = at_offset(P.expA, hv);
+  P.A_log = at_offset(P.A_log, hv);
   P.dt_bias = at_offset(P.dt_bias, hv * K);
   P.BT = chunk::kC;
   P.out_shift = t0;

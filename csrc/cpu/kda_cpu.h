@@ -86,10 +86,10 @@ void report_domain(const FirstBad& bad, const Inputs& in, const Config& cfg, con
 int64_t first_unstable_write(const at::Tensor& k, const at::Tensor& beta, bool beta_sigmoid,
                              double beta_mult);
 
-// The gate's parameters in the compute dtype ct, contiguous: exp(A_log) [HV] and dt_bias
-// [HV * K]; undefined where absent or without the gate in the op.
+// The gate's parameters in the compute dtype ct, contiguous: exp(A_log) and A_log [HV] and
+// dt_bias [HV * K]; undefined where absent or without the gate in the op.
 struct GateParams {
-  at::Tensor expA, bias;
+  at::Tensor expA, A_log, bias;
 };
 GateParams gate_params(const Inputs& in, const Config& cfg, at::ScalarType ct);
 // The pre-processing pass's arguments for outputs of token stride BT = stride: those of cfg and

@@ -59,7 +59,10 @@ void report_domain(const FirstBad& bad, const Inputs& in, const Config& cfg,
 
 GateParams gate_params(const Inputs& in, const Config& cfg, at::ScalarType ct) {
   GateParams gp;
-  if (cfg.use_gate_in_kernel && in.A_log) gp.expA = at::exp(in.A_log->to(ct)).contiguous();
+  if (cfg.use_gate_in_kernel && in.A_log) {
+    gp.A_log = in.A_log->to(ct).contiguous();
+    gp.expA = at::exp(gp.A_log).contiguous();
+  }
   if (cfg.use_gate_in_kernel && in.dt_bias) {
     gp.bias = in.dt_bias->to(ct).contiguous().reshape({-1});
   }
@@ -100,6 +103,7 @@ kernels::PrepArgs<T> block_prep_args(const Config& cfg, const Dims& d, int64_t s
   point(g, P.g_store, P.g, P.g16);
   point(beta, P.beta_store, P.beta, P.beta16);
   P.expA = gate.expA.defined() ? gate.expA.data_ptr<T>() : nullptr;
+  P.A_log = gate.A_log.defined() ? gate.A_log.data_ptr<T>() : nullptr;
   P.dt_bias = gate.bias.defined() ? gate.bias.data_ptr<T>() : nullptr;
   return P;
 }

@@ -210,6 +210,7 @@ void run(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& 
   A.g = g.data_ptr<T>();
   A.beta = beta.data_ptr<T>();
   A.expA = ptr_or_null<T>(gate.expA);
+  A.A_log = ptr_or_null<T>(gate.A_log);
   A.dt_bias = ptr_or_null<T>(gate.bias);
   A.o = o.data_ptr<T>();
   A.seq_start = plan.seq_start.data();

@@ -27,6 +27,9 @@ __all__ = ["fused_recurrent_kda", "chunk_kda", "kda_gate", "l2norm"]
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
+# exp(A_log) from which the softplus gate is formed in log space (_gate; the native kernels'
+# kLogSpaceRate, csrc/cpu/kernels/recurrent_kernels.h).
+LOG_SPACE_RATE = 2.0 ** 64
 FULL_FORGET = 100.0  # chunkwise form: per-step log-decays are clamped at -FULL_FORGET (see _chunk_scan)
 
 
@@ -61,17 +64,17 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
         z = z + dt_bias.to(dtype).reshape(HV, K)
     saturated = None
     if A_log is not None:
-        # Saturation (docs/math.md "Saturation"): where exp(A_log) overflows, the gate takes its
-        # limit (decay 0 for the softplus gate, a step for the bounded one) with zero gradient.
-        # A_log is replaced by 0 there BEFORE exp, so no inf enters the autograd graph (autograd
-        # would otherwise form 0 * inf = NaN in the backward of exp and of the products).
+        # Saturation (docs/math.md "Saturation"): where exp(A_log) overflows, the softplus gate is
+        # the log-space form below, the bounded gate its step with zero gradient. A_log is
+        # replaced by 0 there BEFORE exp, so no inf enters the autograd graph (autograd would
+        # otherwise form 0 * inf = NaN in the backward of exp and of the products).
         A = A_log.to(dtype).reshape(HV, 1)
         # exp itself decides: A > math.log(max) missed A = float32(log(max)) = 88.7228394,
         # whose float32 exp is inf (the bound rounds to A when compared in float32).
         saturated = torch.isinf(A.detach().exp())
         rate = torch.where(saturated, torch.zeros_like(A), A).exp()
     if lower_bound is None:
-        # softplus gate: g = -exp(A_log) * softplus(z); saturated: -inf (a decay of exactly 0).
+        # softplus gate: g = -exp(A_log) * softplus(z) (saturated: replaced by the log-space form).
         # Where the product itself is -inf (z = +inf, or a large rate times a large softplus) the
         # decay is 0 and so is every gradient through the gate, its limit: the product is formed
         # again from 0 there, so that autograd does not form 0 * inf = NaN for A_log. z = +inf
@@ -83,7 +86,20 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
         to_zero = torch.isinf((rate * spd).detach()) | torch.isinf(spd) | saturated
         to_zero = to_zero & ~spd.isnan()
         g_log = -rate * torch.where(to_zero, torch.zeros_like(sp), sp)
-        return torch.where(to_zero, torch.full_like(g_log, -math.inf), g_log)
+        g_log = torch.where(to_zero, torch.full_like(g_log, -math.inf), g_log)
+        # Rates from 2^64 on (A_log > 44.4; saturated ones too) take the product in log space,
+        # -exp(A_log + log softplus(z)), as the native kernels do (LOG_SPACE_RATE): with
+        # such a rate a softplus(z) below float32's range (z < -87) is not negligible, and an
+        # overflowed rate keeps the decay near 1 of a z far below 0. log softplus(z) is z below
+        # -20; -inf (decay 0) where the exponent overflows, formed again from 0 for autograd.
+        log_space = A.detach().exp() >= LOG_SPACE_RATE
+        below = z < -20
+        log_sp = torch.where(below, z, torch.log(torch.where(below, torch.ones_like(sp), sp)))
+        x = A + log_sp
+        big = torch.isinf(x.detach().exp())
+        g_ls = -torch.where(big, torch.zeros_like(x), x).exp()
+        g_ls = torch.where(big, torch.full_like(g_ls, -math.inf), g_ls)
+        return torch.where(log_space, g_ls, g_log)
     # bounded gate: g = lower_bound * sigmoid(exp(A_log) * z), in [lower_bound, 0);
     # saturated: sigmoid(inf * z) = (sign(z) + 1) / 2
     if A_log is None:

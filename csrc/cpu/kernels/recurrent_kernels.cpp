@@ -455,9 +455,9 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
       const T* kh = P.k_out + ((hv / (HV / H)) * BT + to) * K;
       T* gout = P.g_out ? P.g_out + (to * HV + hv) * K : nullptr;
       T* slope = P.gate_slope_out ? P.gate_slope_out + (to * HV + hv) * K : nullptr;
-      // exp(A_log) overflowed (A_log > log(max)): the gates take their limits (docs/math.md
-      // "Saturation"): the softplus gate's log decay -inf, the bounded gate's sigmoid(inf * z) a
-      // step (sign(z) + 1) / 2 (inf * 0 would be NaN).
+      // A rate >= kLogSpaceRate forms the softplus gate in log space; an overflowed one
+      // (A_log > log(max); docs/math.md "Saturation") makes the bounded gate's sigmoid(inf * z)
+      // its step (sign(z) + 1) / 2 (inf * 0 would be NaN).
       const GateRate<T> rate = gate_rate(P.expA, hv);  // a tiny one: rate_times (vec_math.h)
       const bool rate_inf = __builtin_isinf(rate.rate);
       for (int64_t i = 0; i < K; i += kPrepVecs * L) {
@@ -475,15 +475,22 @@ PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
             z[c] = gl[c];
             if (bias) z[c] += load_cols(bias + i + c * L, m[c]);
           }
-          if (slope) {
-            V sg[kPrepVecs];
-            vsoftplus_sigmoid_n<kPrepVecs>(z, sg);
-            for (int c = 0; c < kPrepVecs; ++c) store_cols(slope + i + c * L, sg[c], m[c]);
+          if (rate.log_space) {
+            // the slope here is the whole derivative of the log decay in z (bwd_common.cpp)
+            for (int c = 0; c < kPrepVecs; ++c) {
+              V sl;
+              gl[c] = vsoftplus_gate_log_space(z[c], P.A_log[hv], sl);
+              if (slope) store_cols(slope + i + c * L, sl, m[c]);
+            }
           } else {
-            vsoftplus_n<kPrepVecs>(z);
-          }
-          for (int c = 0; c < kPrepVecs; ++c) {
-            gl[c] = rate_inf ? vsaturated_softplus(z[c]) : -rate_times(rate, z[c]);
+            if (slope) {
+              V sg[kPrepVecs];
+              vsoftplus_sigmoid_n<kPrepVecs>(z, sg);
+              for (int c = 0; c < kPrepVecs; ++c) store_cols(slope + i + c * L, sg[c], m[c]);
+            } else {
+              vsoftplus_n<kPrepVecs>(z);
+            }
+            for (int c = 0; c < kPrepVecs; ++c) gl[c] = -rate_times(rate, z[c]);
           }
         } else if (P.gate == GateMode::kBounded) {
           V sg[kPrepVecs], sn[kPrepVecs];  // sigmoid(x), sigmoid(-x) (the slope, backward only)

@@ -14,6 +14,12 @@
 namespace kda {
 namespace kernels {
 
+// Rates exp(A_log) from this one on (A_log > 44.4; inf too) form the softplus gate in log space,
+// -exp(A_log + log softplus(z)) (vec_math.h vsoftplus_gate_log_space): their product with a
+// softplus(z) below float's range (z < -87.5) is not negligible. The pre-processing and the
+// backward's chain rule (bwd_common.cpp) both test it.
+constexpr double kLogSpaceRate = 0x1p64;
+
 // Checkpoint interval of the forward (tokens): the backward recomputes states inside a chunk.
 constexpr int64_t kChunk = 64;
 // Columns of the state handled by one forward / backward unit (a K x kSlice slice stays in L1).
@@ -134,6 +140,7 @@ struct PrepArgs {
   T* v_out = nullptr;
   int64_t VW = 0;              // HV * V
   const T* expA = nullptr;     // [HV] exp(A_log), or null (bounded gate without A_log)
+  const T* A_log = nullptr;    // [HV] A_log where expA is set (a saturated rate's log-space gate)
   const T* dt_bias = nullptr;  // [HV * K] or null
   // Token t is read at row t - in_shift of q, k, g, beta and written at t - out_shift of the
   // outputs (token blocks of the forward; 0 for whole arrays). BT is the outputs' token stride.
@@ -156,7 +163,8 @@ struct PrepArgs {
   T* beta_out = nullptr;       // [HV, BT]
   // For the backward (may be null): 1/||.|| of q and k [BT, H], log decay [BT, HV, K], and the
   // slopes of the gate's and beta's nonlinearities at their arguments: softplus'(z) = sigmoid(z)
-  // [BT, HV, K]; sigmoid'(x) = sigmoid(x) sigmoid(-x) [BT, HV, K] and beta_mult times it
+  // [BT, HV, K] (under a saturated rate, the log-space gate's whole derivative in z: vec_math.h
+  // vsaturated_softplus); sigmoid'(x) = sigmoid(x) sigmoid(-x) [BT, HV, K] and beta_mult times it
   // [HV, BT]. sigmoid(-x) is computed, not taken as 1 - sigmoid(x), which rounds to 0 in float32
   // once x > ~17 while the slope (~exp(-x)) is still representable.
   T* q_rnorm = nullptr;

@@ -261,9 +261,9 @@ void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
   const T* g = A.g + (tok * A.HV + hv) * K;
   const T qs = A.l2norm ? l2_rnorm<T>(q, K) * A.scale : A.scale;
   const T ks = A.l2norm ? l2_rnorm<T>(k, K) : static_cast<T>(1);
-  // exp(A_log) overflowed: the gates' limits (docs/math.md "Saturation"), as in the prefill's
-  // pass (recurrent_kernels.cpp): inf * softplus(z) and inf * 0 would be NaN. An underflowed or
-  // subnormal one: rate_times (vec_math.h).
+  // As the prefill's pass (recurrent_kernels.cpp): a rate >= kLogSpaceRate forms the softplus
+  // gate in log space, an overflowed one (docs/math.md "Saturation") makes the bounded gate its
+  // step (inf * 0 would be NaN); the others through rate_times (vec_math.h).
   const GateRate<T> rate = gate_rate(A.expA, hv);
   const bool rate_inf = __builtin_isinf(rate.rate);
   vec<T> qk{};
@@ -276,7 +276,9 @@ void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
     } else {
       if (A.dt_bias) z += vload<T, T>(A.dt_bias + hv * K + i, m);
       if (A.gate == GateMode::kSoftplus) {
-        lg = rate_inf ? vsaturated_softplus(z) : -rate_times(rate, vsoftplus(z));
+        vec<T> slope_unused;
+        lg = rate.log_space ? vsoftplus_gate_log_space(z, A.A_log[hv], slope_unused)
+                            : -rate_times(rate, vsoftplus(z));
       } else if (rate_inf) {
         lg = A.lower_bound * vsigmoid_step(z);
       } else {

@@ -9,6 +9,8 @@
 // per lane (exact to the last bits). The int vector of VF's lanes is decltype(x < x).
 #pragma once
 
+#include "cpu/kernels/recurrent_kernels.h"
+
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -97,13 +99,33 @@ inline VF vsigmoid_step(VF z) {
   return z > zero ? zero + E(1) : (z < zero ? zero : (z == zero ? zero + E(0.5) : z));
 }
 
-// -inf * softplus(z), the softplus gate's log decay: -inf (a decay of 0) for every z (also where
-// softplus(z) is 0: -inf * 0 would be NaN). z may be softplus(z) itself (NaN for NaN only).
-template <typename VF>
-inline VF vsaturated_softplus(VF z) {
-  using E = vm_elem_t<VF>;
-  const VF minf = VF{} - static_cast<E>(__builtin_inf());
-  return z == z ? minf : z;
+// The softplus gate's log decay -exp(A) softplus(z) for a rate exp(A) >= kLogSpaceRate (A =
+// A_log; exp(A) may have overflowed), formed in log space: -exp(A + log softplus(z)), with
+// log softplus(z) = z below z = -20 (there softplus(z) = e^z (1 - e^z / 2 + ...); it underflows
+// below -87.5 in float, where the product with such a rate is not negligible). That is the
+// product wherever the product is finite, so a z far below 0 keeps its decay near 1 (as
+// float64's finite exp(A) gives it), and -inf (a decay of 0) where it overflows. slope gets its
+// derivative in z, -exp(A) sigmoid(z) = -exp(A + log sigmoid(z)) (finite wherever the decay is
+// not 0: sigmoid(z) < softplus(z)). Per lane through libm: only heads of such rates take it.
+template <typename VF, typename T>
+inline VF vsoftplus_gate_log_space(VF z, T A, VF& slope) {
+  VF out = z;
+  for (int64_t l = 0; l < static_cast<int64_t>(sizeof(VF) / sizeof(T)); ++l) {
+    const T t = z[l];
+    T log_sp, log_sig;  // log softplus(t), log sigmoid(t) = -softplus(-t)
+    if constexpr (std::is_same_v<T, float>) {
+      log_sp = t < -20.0f ? t : __builtin_logf(t > 20.0f ? t : __builtin_log1pf(__builtin_expf(t)));
+      log_sig = t < 0.0f ? t - __builtin_log1pf(__builtin_expf(t)) : -__builtin_log1pf(__builtin_expf(-t));
+      out[l] = -__builtin_expf(A + log_sp);
+      slope[l] = -__builtin_expf(A + log_sig);
+    } else {
+      log_sp = t < -20.0 ? t : __builtin_log(t > 20.0 ? t : __builtin_log1p(__builtin_exp(t)));
+      log_sig = t < 0.0 ? t - __builtin_log1p(__builtin_exp(t)) : -__builtin_log1p(__builtin_exp(-t));
+      out[l] = -__builtin_exp(A + log_sp);
+      slope[l] = -__builtin_exp(A + log_sig);
+    }
+  }
+  return out;
 }
 
 // The float functions take N vectors and run every step for all N before the next one
@@ -299,12 +321,13 @@ inline float bf16_to_float(uint16_t h) {
 // - an underflowed rate (0: A_log below about -103.9 in float, -745.1 in double) stays 0; its
 //   true product with a finite z is below 2^-22, a decay within rounding of 1.
 // At an infinite z a tiny rate's product is z itself, the limit of a positive rate (docs/math.md
-// "Saturation"), not 0 * inf = NaN. A normal rate forms rate * inf = inf already; an infinite rate
-// (saturated) is the callers' case.
+// "Saturation"), not 0 * inf = NaN. An infinite rate (saturated) is the callers' case, as is the
+// softplus gate of a rate >= kLogSpaceRate (log_space: vsoftplus_gate_log_space).
 template <typename T>
 struct GateRate {
   T rate = T(1), zmul = T(1);
-  bool tiny = false;
+  bool tiny = false;       // below the normal range (subnormal or 0)
+  bool log_space = false;  // >= kLogSpaceRate (2^64), inf included
 };
 
 // 2^e for a normal power of two, made from its bits: no std:: inline function (std::ldexp),
@@ -332,6 +355,7 @@ GateRate<T> gate_rate(const T* expA, int64_t hv) {
   // Bit tests: under denormals-are-zero a compare reads a subnormal as 0.
   const Bits mantissa = bits & ((Bits(1) << kMantissa) - 1);
   r.tiny = ((bits << 1) >> (kMantissa + 1)) == 0;  // exponent field 0 (sign bit shifted out)
+  r.log_space = r.rate >= static_cast<T>(kLogSpaceRate);  // a normal operand: no mode applies
   if (r.tiny && mantissa != 0) {
     // value = mantissa 2^(min_exponent - digits), so 2^64 value = mantissa 2^(that + 64): an
     // exact integer conversion times a normal power of two (no subnormal operand).

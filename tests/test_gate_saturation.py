@@ -133,8 +133,8 @@ def _extreme_inputs(gate: str, z_values):
     # Head 0 saturated (exp(100) = inf in float32) with z = g + dt_bias of channels 0-3 at
     # z_values in every token: -90 (softplus(z) flushes to 0 in float32: inf * 0 was NaN in the
     # native pass), exactly 0 (the bounded gate's step midpoint: inf * 0 was NaN in the serving
-    # kernels; its float64 gradient is exp(100) / 4, the step's, so only forwards take it). Not
-    # below ~-96: there float64's exp(100) * softplus(z) is small, a decay near 1, not the limit.
+    # kernels; its float64 gradient is exp(100) / 4, the step's, so only forwards take it). Below
+    # ~-96 the softplus gate's decay leaves 0 for 1 (the log-space form): EXTREME_RATES below.
     p = _problem(gate, 100.0)
     bias = p.kwargs["dt_bias"].reshape(2, 8)
     p.g[:, :, 0, :4] = torch.tensor(z_values, dtype=torch.float64) - bias[0, :4]

@@ -155,6 +155,27 @@ def _assert_finite_and_float64_close(run, p):
     return g64
 
 
+def _serving_decode(p):
+    # The native serving path (a state pool read and written in place by slot indices) on p's
+    # values: (o, the pool after the call).
+    kwargs = dict(p.kwargs)
+    pool = kwargs.pop("initial_state").clone()
+    with torch.no_grad():
+        o, _ = torch_kda.fused_recurrent_kda(*p.args, **kwargs, initial_state=pool,
+                                             ssm_state_indices=torch.arange(pool.shape[0]),
+                                             inplace_final_state=True, backend="native")
+    return o, pool
+
+
+def _assert_serving_decode_close(p):
+    # float32 serving decode finite and within 1e-5 of the float64 reference.
+    o, pool = _serving_decode(p.to(torch.float32))
+    with torch.no_grad():
+        o64, s64 = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="reference")
+    assert torch.isfinite(o).all() and torch.isfinite(pool).all()
+    assert rel_err(o, o64) < 1e-5 and rel_err(pool, s64) < 1e-5
+
+
 @pytest.mark.parametrize("gate", ["softplus", "bounded"])
 @pytest.mark.parametrize("backend", SLOPE_RUNS)
 def test_saturated_rate_with_extreme_gate_inputs(gate, backend):
@@ -171,15 +192,7 @@ def test_serving_decode_takes_the_saturated_gate_limits(gate, v_first):
     p.kwargs["state_v_first"] = v_first
     if v_first:
         p.kwargs["initial_state"] = p.kwargs["initial_state"].transpose(-1, -2).contiguous()
-    x32 = p.to(torch.float32)
-    pool = x32.kwargs.pop("initial_state").clone()
-    with torch.no_grad():
-        o, _ = torch_kda.fused_recurrent_kda(*x32.args, **x32.kwargs, initial_state=pool,
-                                             ssm_state_indices=torch.arange(pool.shape[0]),
-                                             inplace_final_state=True, backend="native")
-        o64, s64 = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="reference")
-    assert torch.isfinite(o).all() and torch.isfinite(pool).all()
-    assert rel_err(o, o64) < 1e-5 and rel_err(pool, s64) < 1e-5
+    _assert_serving_decode_close(p)
 
 
 @pytest.mark.parametrize("where", ["g", "dt_bias"])
@@ -251,15 +264,7 @@ def test_extreme_rates_keep_their_products_and_limits(gate, backend, case):
 def test_serving_decode_keeps_extreme_rates_products_and_limits(gate, case):
     # The serving kernels compute the gate themselves (vec_math.h, as the prefill).
     p = _extreme_rate_problem(gate, case)
-    x32 = p.to(torch.float32)
-    pool = x32.kwargs.pop("initial_state").clone()
-    with torch.no_grad():
-        o, _ = torch_kda.fused_recurrent_kda(*x32.args, **x32.kwargs, initial_state=pool,
-                                             ssm_state_indices=torch.arange(pool.shape[0]),
-                                             inplace_final_state=True, backend="native")
-        o64, s64 = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="reference")
-    assert torch.isfinite(o).all() and torch.isfinite(pool).all()
-    assert rel_err(o, o64) < 1e-5 and rel_err(pool, s64) < 1e-5
+    _assert_serving_decode_close(p)
 
 
 @pytest.mark.parametrize("where", ["g", "dt_bias"])
@@ -275,13 +280,10 @@ def test_nan_gate_input_propagates_under_a_saturated_rate(gate, backend, where):
         bias = p.kwargs["dt_bias"].clone().reshape(2, 8)
         bias[0, 3] = float("nan")
         p.kwargs["dt_bias"] = bias.reshape(-1)
-    with torch.no_grad():
-        if backend == "serving":
-            pool = p.kwargs.pop("initial_state").clone()
-            o, _ = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, initial_state=pool,
-                                                 ssm_state_indices=torch.arange(pool.shape[0]),
-                                                 inplace_final_state=True, backend="native")
-        else:
+    if backend == "serving":
+        o, _ = _serving_decode(p)
+    else:
+        with torch.no_grad():
             o, _ = SLOPE_RUNS[backend](p)
     first = 5 if where == "g" else 0
     assert torch.isnan(o[0, first:, 0]).any(), "the NaN gate input was lost"

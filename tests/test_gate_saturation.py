@@ -224,7 +224,8 @@ def test_infinite_gate_inputs_take_their_limits(gate, backend, where):
 #   subnormal with z = 2e38 making rate * z = 1.2;
 # - above 2^64 (the log-space softplus gate): exp(100) overflows, and z = -100 still makes
 #   exp(100) softplus(z) = 1; exp(88) = 1.7e38 is finite while softplus(-88) is below float32's
-#   normal range; exp(80) times softplus(-80).
+#   normal range; exp(80) times softplus(-80); A_log = +inf is a decay of 0 for every z that is a
+#   number (z = -inf included: inf - inf was NaN in the log-space form).
 EXTREME_RATES = {
     "subnormal_infinite_z": (-100.0, [float("inf"), float("-inf"), float("inf"), 3.0]),
     "underflowed_infinite_z": (-110.0, [float("inf"), float("-inf"), 1e30, 3.0]),
@@ -232,6 +233,7 @@ EXTREME_RATES = {
     "saturated_z_far_below_0": (100.0, [-100.0, -98.5, -200.0, float("-inf")]),
     "huge_softplus_underflow": (88.0, [-88.0, -89.5, -86.0, float("-inf")]),
     "large_z_below_0": (80.0, [-80.0, -82.0, -95.0, 2.0]),
+    "infinite_a_log": (float("inf"), [float("-inf"), -200.0, 0.0, 3.0]),
 }
 
 

@@ -137,10 +137,10 @@ KDA_CLONES void chain_rule_tokens(const ChainArgs<T>& C, int64_t t0, int64_t t1)
         // Saturated gates (docs/math.md "Saturation"): under a rate >= kLogSpaceRate (inf too)
         // the softplus gate was formed in log space and its pass stored the whole derivative of
         // the log decay in z as the slope; where exp(A_log) overflowed the bounded gate sits at
-        // its step and every gradient through it is 0. Where the log-decay overflowed to -inf the decay underflowed, dg =
-        // a * (...) is exactly 0, and its products with g and the slope are the limit 0 (of
-        // exp(g) g), not 0 * inf = NaN. Likewise the bounded gate at an infinite z (g or
-        // dt_bias infinite): its slope is 0, and dz z is the limit 0.
+        // its step and every gradient through it is 0. Where the log-decay overflowed to -inf
+        // the decay underflowed, dg = a * (...) is exactly 0, and its products with g and the
+        // slope are the limit 0 (of exp(g) g), not 0 * inf = NaN. Likewise the bounded gate at
+        // an infinite z (g or dt_bias infinite): its slope is 0, and dz z is the limit 0.
         const bool rate_inf = C.expA && std::isinf(C.expA[hv]);
         if (C.softplus) {
           const bool log_space = C.expA[hv] >= static_cast<T>(kernels::kLogSpaceRate);

@@ -89,14 +89,18 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
         g_log = torch.where(to_zero, torch.full_like(g_log, -math.inf), g_log)
         # Rates from 2^64 on (A_log > 44.4; saturated ones too) take the product in log space,
         # -exp(A_log + log softplus(z)), as the native kernels do (LOG_SPACE_RATE): with
-        # such a rate a softplus(z) below float32's range (z < -87) is not negligible, and an
-        # overflowed rate keeps the decay near 1 of a z far below 0. log softplus(z) is z below
-        # -20; -inf (decay 0) where the exponent overflows, formed again from 0 for autograd.
+        # such a rate a softplus(z) below float32's range (z < -87.3) is not negligible, and an
+        # overflowed rate keeps the decay near 1 of a z far below 0. Below z = -20, log
+        # softplus(z) = z + log1p(y (y / 3 - 1 / 2)), y = e^z; -inf (decay 0) where the exponent
+        # overflows (A_log = +inf too, for every z that is a number), formed again from 0 for
+        # autograd.
         log_space = A.detach().exp() >= LOG_SPACE_RATE
         below = z < -20
-        log_sp = torch.where(below, z, torch.log(torch.where(below, torch.ones_like(sp), sp)))
+        y = torch.where(below, z, torch.zeros_like(z)).exp()
+        log_sp = torch.where(below, z + torch.log1p(y * (y / 3 - 0.5)),
+                             torch.log(torch.where(below, torch.ones_like(sp), sp)))
         x = A + log_sp
-        big = torch.isinf(x.detach().exp())
+        big = torch.isinf(x.detach().exp()) | ((A.detach() == math.inf) & ~z.detach().isnan())
         g_ls = -torch.where(big, torch.zeros_like(x), x).exp()
         g_ls = torch.where(big, torch.full_like(g_ls, -math.inf), g_ls)
         return torch.where(log_space, g_ls, g_log)

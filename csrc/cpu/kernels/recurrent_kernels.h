@@ -140,7 +140,7 @@ struct PrepArgs {
   T* v_out = nullptr;
   int64_t VW = 0;              // HV * V
   const T* expA = nullptr;     // [HV] exp(A_log), or null (bounded gate without A_log)
-  const T* A_log = nullptr;    // [HV] A_log where expA is set (a saturated rate's log-space gate)
+  const T* A_log = nullptr;    // [HV] A_log where expA is set (rates >= kLogSpaceRate use it)
   const T* dt_bias = nullptr;  // [HV * K] or null
   // Token t is read at row t - in_shift of q, k, g, beta and written at t - out_shift of the
   // outputs (token blocks of the forward; 0 for whole arrays). BT is the outputs' token stride.
@@ -163,8 +163,8 @@ struct PrepArgs {
   T* beta_out = nullptr;       // [HV, BT]
   // For the backward (may be null): 1/||.|| of q and k [BT, H], log decay [BT, HV, K], and the
   // slopes of the gate's and beta's nonlinearities at their arguments: softplus'(z) = sigmoid(z)
-  // [BT, HV, K] (under a saturated rate, the log-space gate's whole derivative in z: vec_math.h
-  // vsaturated_softplus); sigmoid'(x) = sigmoid(x) sigmoid(-x) [BT, HV, K] and beta_mult times it
+  // [BT, HV, K] (under a rate >= kLogSpaceRate, the log-space gate's whole derivative in z:
+  // vec_math.h vsoftplus_gate_log_space); sigmoid'(x) = sigmoid(x) sigmoid(-x) [BT, HV, K] and beta_mult times it
   // [HV, BT]. sigmoid(-x) is computed, not taken as 1 - sigmoid(x), which rounds to 0 in float32
   // once x > ~17 while the slope (~exp(-x)) is still representable.
   T* q_rnorm = nullptr;

@@ -36,7 +36,7 @@ struct ServingArgs {
   const T* g = nullptr;        // [BT, HV, K]
   const T* beta = nullptr;     // [BT, HV] or [BT, HV, V]
   const T* expA = nullptr;     // [HV] exp(A_log) or null
-  const T* A_log = nullptr;    // [HV] A_log where expA is set (a saturated rate's log-space gate)
+  const T* A_log = nullptr;    // [HV] A_log where expA is set (rates >= kLogSpaceRate use it)
   const T* dt_bias = nullptr;  // [HV * K] or null
   T* o = nullptr;              // [BT, HV, V]
   // Sequence n covers flattened tokens [seq_start[n], seq_end[n]).

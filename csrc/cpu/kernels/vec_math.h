@@ -86,12 +86,12 @@ inline VF vneg_abs(VF x) {
   return x;
 }
 
-// The gates' limits where exp(A_log) overflowed (docs/math.md "Saturation"), shared by the
-// prefill's pass and the serving kernels. A NaN z stays NaN, as under any other rate (NaN
-// propagates by policy, docs/bad_inputs.md): the limits hold for numbers only.
+// The gates at extreme rates (docs/math.md "Saturation"), shared by the prefill's pass and the
+// serving kernels. A NaN z stays NaN, as under any other rate (NaN propagates by policy,
+// docs/bad_inputs.md).
 //
-// sigmoid(inf * z), the bounded gate's: the step (sign(z) + 1) / 2, 1/2 at z = 0 (inf * 0 would
-// be NaN).
+// sigmoid(inf * z), the bounded gate's limit where exp(A_log) overflowed: the step
+// (sign(z) + 1) / 2, 1/2 at z = 0 (inf * 0 would be NaN).
 template <typename VF>
 inline VF vsigmoid_step(VF z) {
   using E = vm_elem_t<VF>;
@@ -100,29 +100,36 @@ inline VF vsigmoid_step(VF z) {
 }
 
 // The softplus gate's log decay -exp(A) softplus(z) for a rate exp(A) >= kLogSpaceRate (A =
-// A_log; exp(A) may have overflowed), formed in log space: -exp(A + log softplus(z)), with
-// log softplus(z) = z below z = -20 (there softplus(z) = e^z (1 - e^z / 2 + ...); it underflows
-// below -87.5 in float, where the product with such a rate is not negligible). That is the
-// product wherever the product is finite, so a z far below 0 keeps its decay near 1 (as
-// float64's finite exp(A) gives it), and -inf (a decay of 0) where it overflows. slope gets its
-// derivative in z, -exp(A) sigmoid(z) = -exp(A + log sigmoid(z)) (finite wherever the decay is
-// not 0: sigmoid(z) < softplus(z)). Per lane through libm: only heads of such rates take it.
+// A_log; exp(A) may have overflowed), formed in log space: -exp(A + log softplus(z)). Below
+// z = -20, log softplus(z) = z + log1p(y (y / 3 - 1 / 2)), y = e^z (softplus(z) = y (1 - y / 2 +
+// y^2 / 3 - ...)), so it keeps its precision where softplus(z) leaves the normal range (z < -87.3
+// in float), where the product with such a rate is not negligible. That is the product wherever
+// the product is finite, so a z far below 0 keeps its decay near 1 (as float64's finite exp(A)
+// gives it), and -inf (a decay of 0) where it overflows; A = +inf is a decay of 0 for every z
+// that is a number (z = -inf too: inf - inf is not formed). slope gets its derivative in z,
+// -exp(A) sigmoid(z) = -exp(A + log sigmoid(z)) (finite wherever the decay is not 0:
+// sigmoid(z) < softplus(z)). Per lane through libm: only heads of such rates take it.
 template <typename VF, typename T>
 inline VF vsoftplus_gate_log_space(VF z, T A, VF& slope) {
   VF out = z;
   for (int64_t l = 0; l < static_cast<int64_t>(sizeof(VF) / sizeof(T)); ++l) {
     const T t = z[l];
     T log_sp, log_sig;  // log softplus(t), log sigmoid(t) = -softplus(-t)
+    const bool a_inf = A == static_cast<T>(__builtin_inf()) && t == t;
     if constexpr (std::is_same_v<T, float>) {
-      log_sp = t < -20.0f ? t : __builtin_logf(t > 20.0f ? t : __builtin_log1pf(__builtin_expf(t)));
-      log_sig = t < 0.0f ? t - __builtin_log1pf(__builtin_expf(t)) : -__builtin_log1pf(__builtin_expf(-t));
-      out[l] = -__builtin_expf(A + log_sp);
-      slope[l] = -__builtin_expf(A + log_sig);
+      const T y = __builtin_expf(-__builtin_fabsf(t)), l1p = __builtin_log1pf(y);
+      log_sp = t < -20.0f ? t + __builtin_log1pf(y * (y * (1.0f / 3) - 0.5f))
+                          : __builtin_logf(t > 20.0f ? t : __builtin_fmaxf(t, 0.0f) + l1p);
+      log_sig = __builtin_fminf(t, 0.0f) - l1p;
+      out[l] = a_inf ? -A : -__builtin_expf(A + log_sp);
+      slope[l] = a_inf ? -A : -__builtin_expf(A + log_sig);
     } else {
-      log_sp = t < -20.0 ? t : __builtin_log(t > 20.0 ? t : __builtin_log1p(__builtin_exp(t)));
-      log_sig = t < 0.0 ? t - __builtin_log1p(__builtin_exp(t)) : -__builtin_log1p(__builtin_exp(-t));
-      out[l] = -__builtin_exp(A + log_sp);
-      slope[l] = -__builtin_exp(A + log_sig);
+      const T y = __builtin_exp(-__builtin_fabs(t)), l1p = __builtin_log1p(y);
+      log_sp = t < -20.0 ? t + __builtin_log1p(y * (y * (1.0 / 3) - 0.5))
+                         : __builtin_log(t > 20.0 ? t : __builtin_fmax(t, 0.0) + l1p);
+      log_sig = __builtin_fmin(t, 0.0) - l1p;
+      out[l] = a_inf ? -A : -__builtin_exp(A + log_sp);
+      slope[l] = a_inf ? -A : -__builtin_exp(A + log_sig);
     }
   }
   return out;

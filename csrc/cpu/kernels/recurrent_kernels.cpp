@@ -294,12 +294,6 @@ inline void write_step(vec_t<T>* Sout, const vec_t<T>* Sin, const vec_t<T> (&u)[
 
 // ---- pre-processing --------------------------------------------------------------------------
 
-// Scalar libm through builtins (C functions: no inline C++ overloads shared across ISAs).
-inline float s_sqrt(float x) { return __builtin_sqrtf(x); }
-inline double s_sqrt(double x) { return __builtin_sqrt(x); }
-inline float s_exp(float x) { return __builtin_expf(x); }
-inline double s_exp(double x) { return __builtin_exp(x); }
-
 // 16-bit inputs widened to float as they are read (Storage): bf16 is the top half of a float
 // (exact); fp16 through the F16C / AVX-512 conversion where the ISA has it (exact too).
 inline float widen1(uint16_t x, Storage st) {

@@ -99,6 +99,16 @@ inline VF vsigmoid_step(VF z) {
   return z > zero ? zero + E(1) : (z < zero ? zero : (z == zero ? zero + E(0.5) : z));
 }
 
+// Scalar libm through builtins (C functions: no inline C++ overloads shared across ISAs).
+inline float s_sqrt(float x) { return __builtin_sqrtf(x); }
+inline double s_sqrt(double x) { return __builtin_sqrt(x); }
+inline float s_exp(float x) { return __builtin_expf(x); }
+inline double s_exp(double x) { return __builtin_exp(x); }
+inline float s_log(float x) { return __builtin_logf(x); }
+inline double s_log(double x) { return __builtin_log(x); }
+inline float s_log1p(float x) { return __builtin_log1pf(x); }
+inline double s_log1p(double x) { return __builtin_log1p(x); }
+
 // The softplus gate's log decay -exp(A) softplus(z) for a rate exp(A) >= kLogSpaceRate (A =
 // A_log; exp(A) may have overflowed), formed in log space: -exp(A + log softplus(z)). Below
 // z = -20, log softplus(z) = z + log1p(y (y / 3 - 1 / 2)), y = e^z (softplus(z) = y (1 - y / 2 +
@@ -114,23 +124,14 @@ inline VF vsoftplus_gate_log_space(VF z, T A, VF& slope) {
   VF out = z;
   for (int64_t l = 0; l < static_cast<int64_t>(sizeof(VF) / sizeof(T)); ++l) {
     const T t = z[l];
-    T log_sp, log_sig;  // log softplus(t), log sigmoid(t) = -softplus(-t)
     const bool a_inf = A == static_cast<T>(__builtin_inf()) && t == t;
-    if constexpr (std::is_same_v<T, float>) {
-      const T y = __builtin_expf(-__builtin_fabsf(t)), l1p = __builtin_log1pf(y);
-      log_sp = t < -20.0f ? t + __builtin_log1pf(y * (y * (1.0f / 3) - 0.5f))
-                          : __builtin_logf(t > 20.0f ? t : __builtin_fmaxf(t, 0.0f) + l1p);
-      log_sig = __builtin_fminf(t, 0.0f) - l1p;
-      out[l] = a_inf ? -A : -__builtin_expf(A + log_sp);
-      slope[l] = a_inf ? -A : -__builtin_expf(A + log_sig);
-    } else {
-      const T y = __builtin_exp(-__builtin_fabs(t)), l1p = __builtin_log1p(y);
-      log_sp = t < -20.0 ? t + __builtin_log1p(y * (y * (1.0 / 3) - 0.5))
-                         : __builtin_log(t > 20.0 ? t : __builtin_fmax(t, 0.0) + l1p);
-      log_sig = __builtin_fmin(t, 0.0) - l1p;
-      out[l] = a_inf ? -A : -__builtin_exp(A + log_sp);
-      slope[l] = a_inf ? -A : -__builtin_exp(A + log_sig);
-    }
+    // y = e^-|t|; a NaN t fails every compare and stays NaN through l1p
+    const T y = s_exp(t < T(0) ? t : -t), l1p = s_log1p(y);
+    const T log_sp = t < T(-20) ? t + s_log1p(y * (y * (T(1) / 3) - T(0.5)))  // log softplus(t)
+                                : s_log(t > T(20) ? t : (t > T(0) ? t : T(0)) + l1p);
+    const T log_sig = (t < T(0) ? t : T(0)) - l1p;  // log sigmoid(t) = -softplus(-t)
+    out[l] = a_inf ? -A : -s_exp(A + log_sp);
+    slope[l] = a_inf ? -A : -s_exp(A + log_sig);
   }
   return out;
 }

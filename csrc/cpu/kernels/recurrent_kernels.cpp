@@ -558,11 +558,11 @@ PrepReport prep_rows(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
   return rep;
 }
 
-// Full: K is a multiple of kPrepVecs vectors (K = 64 and 128 under AVX2, 128 under AVX-512), so
-// every vector of a row is whole, and the pass runs without a length test and a partial path per
-// vector. At K = 128 under AVX2 that took it from ~4,200 to ~3,000 instructions per token and head
-// (callgrind of benchmarks/prep_kernel.cpp) and from ~390 to ~315 ns with its rows in cache (2-core
-// Zen 3 box); the same values.
+// Full: K is a multiple of kPrepVecs vectors (of 64 floats under AVX2, 128 under AVX-512, 16 in
+// the generic kernels), so every vector of a row is whole, and the pass runs without a length test
+// and a partial path per vector. At K = 128 under AVX2 that took it from ~4,200 to ~3,000
+// instructions per token and head (callgrind of benchmarks/prep_kernel.cpp) and from ~390 to ~315
+// ns with its rows in cache (2-core Zen 3 box); the same values.
 template <typename T>
 PrepReport prep_tokens(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
   if (P.K % (kPrepVecs * kLanes<T>) == 0) return prep_rows<T, true>(P, t0, t1);

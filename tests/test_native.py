@@ -60,6 +60,35 @@ def test_native_matches_reference_every_feature(gate, group, varlen, state_v_fir
     assert rel_err(o32, o_ref) <= 1e-5 and rel_err(s32, s_ref) <= 1e-5
 
 
+@pytest.mark.parametrize("K", [64, 128, 256])
+@pytest.mark.parametrize("gate", ["softplus", "bounded", "none"])
+def test_whole_vector_rows_match_reference(K, gate):
+    # K a multiple of the pre-processing pass's vector group (64 floats under AVX2, 128 under
+    # AVX-512) takes its whole-vector path (csrc/cpu/kernels/recurrent_kernels.cpp, prep_tokens);
+    # the K of the feature matrix above take the general one. GVA, varlen, every flag in the op.
+    seed = stable_seed("whole", K, gate)
+    p = make_problem(B=1, T=19, H=1, HV=2, K=K, V=9, gate=gate, seqlens=(7, 12), seed=seed)
+    p64 = p.to(torch.float64, requires_grad=True)
+    o_ref, s_ref = reference.fused_recurrent_kda(*p64.args, **p64.kwargs)
+    o_nat, s_nat = native(p64)
+    assert rel_err(o_nat, o_ref) <= 1e-10 and rel_err(s_nat, s_ref) <= 1e-10
+    g_ref = grads(lambda x: reference.fused_recurrent_kda(*x.args, **x.kwargs), p64)
+    g_nat = grads(native, p64)
+    for name, gr in g_ref.items():
+        assert rel_err(g_nat[name], gr) <= 1e-10, name
+    p32 = p.to(torch.float32, requires_grad=True)
+    o32, s32 = native(p32)
+    assert rel_err(o32, o_ref) <= 1e-5 and rel_err(s32, s_ref) <= 1e-5
+    g32 = grads(native, p32)
+    for name, gr in g_ref.items():
+        assert rel_err(g32[name], gr) <= 1e-4, name
+    for dtype in (torch.bfloat16, torch.float16):  # 16-bit inputs widened by the pass
+        pl = p.to(dtype)
+        o_low, _ = reference.fused_recurrent_kda(*pl.args, **pl.kwargs)
+        o_nat_low, _ = native(pl)
+        assert rel_err(o_nat_low, o_ref) <= 2 * rel_err(o_low, o_ref) + 1e-6, dtype
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("gate", ["softplus", "bounded"])
 def test_low_precision_error_at_most_twice_reference(dtype, gate):

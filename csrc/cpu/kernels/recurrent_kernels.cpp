@@ -516,7 +516,9 @@ PrepReport prep_rows(const PrepArgs<T>& P, int64_t t0, int64_t t1) {
         vexp_n<kPrepVecs>(av);
         for (int c = 0; c < kPrepVecs; ++c) {
           store_rows<Full>(a + i + c * L, av[c], m[c]);
-          if (ak) store_rows<Full>(ak + i + c * L, av[c] * load_rows<Full>(kh + i + c * L, m[c]), m[c]);
+          if (ak) {
+            store_rows<Full>(ak + i + c * L, av[c] * load_rows<Full>(kh + i + c * L, m[c]), m[c]);
+          }
         }
       }
     }

@@ -71,7 +71,8 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
         A = A_log.to(dtype).reshape(HV, 1)
         # exp itself decides: A > math.log(max) missed A = float32(log(max)) = 88.7228394,
         # whose float32 exp is inf (the bound rounds to A when compared in float32).
-        saturated = torch.isinf(A.detach().exp())
+        exp_A = A.detach().exp()
+        saturated = torch.isinf(exp_A)
         rate = torch.where(saturated, torch.zeros_like(A), A).exp()
     if lower_bound is None:
         # softplus gate: g = -exp(A_log) * softplus(z) (saturated: replaced by the log-space form).
@@ -83,8 +84,8 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
         # propagates by policy, docs/bad_inputs.md).
         sp = F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
         spd = sp.detach()
-        to_zero = torch.isinf((rate * spd).detach()) | torch.isinf(spd) | saturated
-        to_zero = to_zero & ~spd.isnan()
+        # (a saturated head's rate is exp(0) here: its product is discarded for the log-space form)
+        to_zero = (torch.isinf((rate * spd).detach()) | torch.isinf(spd)) & ~spd.isnan()
         g_log = -rate * torch.where(to_zero, torch.zeros_like(sp), sp)
         g_log = torch.where(to_zero, torch.full_like(g_log, -math.inf), g_log)
         # Rates from 2^64 on (A_log > 44.4; saturated ones too) take the product in log space,
@@ -94,7 +95,7 @@ def _gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torc
         # softplus(z) = z + log1p(y (y / 3 - 1 / 2)), y = e^z; -inf (decay 0) where the exponent
         # overflows (A_log = +inf too, for every z that is a number), formed again from 0 for
         # autograd.
-        log_space = A.detach().exp() >= LOG_SPACE_RATE
+        log_space = exp_A >= LOG_SPACE_RATE
         below = z < -20
         y = torch.where(below, z, torch.zeros_like(z)).exp()
         log_sp = torch.where(below, z + torch.log1p(y * (y / 3 - 0.5)),

@@ -164,9 +164,9 @@ struct PrepArgs {
   // For the backward (may be null): 1/||.|| of q and k [BT, H], log decay [BT, HV, K], and the
   // slopes of the gate's and beta's nonlinearities at their arguments: softplus'(z) = sigmoid(z)
   // [BT, HV, K] (under a rate >= kLogSpaceRate, the log-space gate's whole derivative in z:
-  // vec_math.h vsoftplus_gate_log_space); sigmoid'(x) = sigmoid(x) sigmoid(-x) [BT, HV, K] and beta_mult times it
-  // [HV, BT]. sigmoid(-x) is computed, not taken as 1 - sigmoid(x), which rounds to 0 in float32
-  // once x > ~17 while the slope (~exp(-x)) is still representable.
+  // vec_math.h vsoftplus_gate_log_space); sigmoid'(x) = sigmoid(x) sigmoid(-x) [BT, HV, K] and
+  // beta_mult times it [HV, BT]. sigmoid(-x) is computed, not taken as 1 - sigmoid(x), which
+  // rounds to 0 in float32 once x > ~17 while the slope (~exp(-x)) is still representable.
   T* q_rnorm = nullptr;
   T* k_rnorm = nullptr;
   T* g_out = nullptr;

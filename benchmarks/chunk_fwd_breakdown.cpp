@@ -66,8 +66,8 @@ int main(int argc, char** argv) {
   const chunk::Products products = mode == "bf16"       ? chunk::Products::kBf16
                                    : mode == "emulated" ? chunk::Products::kBf16Emulated
                                                         : chunk::Products::kNative;
-  if (products == chunk::Products::kBf16 && !at::native::cpublas::could_pack(at::kBFloat16)) {
-    std::printf("this CPU has no packed bf16 products (cpublas::could_pack); try emulated\n");
+  if (products == chunk::Products::kBf16 && !chunk::bf16_products_in_hardware()) {
+    std::printf("this CPU has no bf16 product hardware (AMX or AVX-512 BF16); try emulated\n");
     return 1;
   }
   std::mt19937 rng(7);

@@ -3,11 +3,13 @@
 With ``TORCH_KDA_CHUNK_PRODUCTS=bf16`` the chunk forward's state products (Vn = U - W S,
 o = (Q . Gam) S + M Vn, S += Kdec^T Vn) and its W/U solve ([-W | U] = (I + A)^-1 R) take bf16
 operands with fp32 accumulation for bf16 / fp16 inputs (so do the chunk backward's products, all
-but the two with the gradient w.r.t. the state leaving a chunk): AMX through ATen's brgemm where
-the CPU has it, else an emulation with the same numerics (the path these tests take on a CPU without bf16 matrix hardware). Checked: FLA's accuracy bar (output 0.005,
+but the two with the gradient w.r.t. the state leaving a chunk): AMX or AVX-512 BF16 through
+ATen's brgemm where the CPU has them, else an emulation with the same numerics (the path these
+tests take on a CPU without bf16 product hardware). Checked: FLA's accuracy bar (output 0.005,
 gradients 0.008 relative RMS) over the feature grid and strong decays, bitwise determinism across
 thread counts, fp32 inputs untouched, head sizes the products do not take, and the knob's errors;
-the backward's bf16 products (the forward's choice: under auto on AMX CPUs for bf16 inputs)
+the backward's bf16 products (the forward's choice: under auto on CPUs with bf16 product hardware
+for bf16 inputs)
 against FLA's gradient bar (0.008), with strong decays, bitwise across thread counts, and
 under auto the same as the forward's.
 K and V are multiples of 16 (the bf16 products need them); shapes stay small.
@@ -112,8 +114,9 @@ def test_gradients_through_bf16_product_forward(dtype, monkeypatch):
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 37])
 def test_auto_on_amx_gradients_with_v_first_gva(seed, monkeypatch):
-    # What auto runs on a CPU with AMX for bf16 inputs: bf16 products in the forward and the
-    # backward (here the knob's bf16: the emulation where the CPU has no AMX). GVA, V-first
+    # What auto runs on a CPU with AMX or AVX-512 BF16 for bf16 inputs: bf16 products in the
+    # forward and the backward (here the knob's bf16: the emulation where the CPU has neither).
+    # GVA, V-first
     # state, initial state, the gate in the op. Every gradient but A_log's meets FLA's 0.008
     # (40 seeds of this shape: at most 4.2e-3). A_log's gradient, HV sums with cancellation over
     # all tokens and channels, carries the products' error times the sums' conditioning: up to
@@ -209,7 +212,7 @@ def test_bf16_backward_products_with_strong_decays(kind, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_products_under_auto_are_the_forwards(dtype, monkeypatch):
     # auto takes the backward's products as the forward's: bf16 ones for bf16 inputs where the
-    # CPU has AMX, fp32 ones elsewhere and for fp16 inputs.
+    # CPU has AMX or AVX-512 BF16, fp32 ones elsewhere and for fp16 inputs.
     p = make_problem(B=1, T=100, H=1, HV=2, K=16, V=32, gate="softplus", seed=12).to(dtype)
     do, ds = cotangents(p)
     monkeypatch.setenv(KNOB, "auto")

@@ -63,9 +63,10 @@ def oracle(a):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-# bf16 state: FLA's accuracy bar (0.005, tests/test_chunk_products.py): on CPUs with AMX the native
-# chunk kernel takes bf16 operands for the state products of bf16 inputs (TORCH_KDA_CHUNK_PRODUCTS
-# =auto; 2.2e-3 measured on a Sapphire Rapids Xeon), elsewhere fp32 ones (~1e-7).
+# bf16 state: FLA's accuracy bar (0.005, tests/test_chunk_products.py): on CPUs with AMX or AVX-512
+# BF16 the native chunk kernel takes bf16 operands for the state products of bf16 inputs
+# (TORCH_KDA_CHUNK_PRODUCTS=auto; 2.2e-3 measured on a Sapphire Rapids Xeon), elsewhere fp32 ones
+# (~1e-7).
 @pytest.mark.parametrize("dtype,tol_out,tol_state", [
     (torch.bfloat16, 1e-2, 5e-3), (torch.float32, 1e-5, 1e-5), (torch.float64, 1e-12, 1e-12)])
 def test_fwd_matches_float64_reference(backend, dtype, tol_out, tol_state):

@@ -445,7 +445,7 @@ def test_fp32_params_with_bf16_activations(backend):
 def test_the_op_gets_bf16_activations_as_they_are_and_fp16_ones_widened(
         monkeypatch, decoding, act, autocast, op_dtype):
     """With bf16 activations the op (and ``backend="auto"``'s rule, which grants the chunk
-    kernel's AMX products to bf16 inputs only) sees bf16 q, k, v, g, beta; fp16 ones, with or
+    kernel's bf16 products to bf16 inputs only) sees bf16 q, k, v, g, beta; fp16 ones, with or
     without autocast, reach it as fp32 (an fp16 o would overflow before the norm). Both ops: the
     chunk op under autograd, the recurrent one for short inputs in inference."""
     seen = []

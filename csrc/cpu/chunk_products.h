@@ -3,16 +3,18 @@
 // and of its W/U solve (solve_wu): [-W | U] = T R with T = (I + A)^-1 (computed in fp32) and
 // R = [-diag(beta) (Gam . K) | diag(beta) V].
 // For bf16 / fp16 INPUTS these may run with bf16 operands and fp32 accumulation (the matrix
-// engines of server CPUs: AMX tiles through ATen's cpublas::brgemm (oneDNN) on VNNI-packed B
-// operands). The running state, U and the outputs stay fp32;
+// engines of server CPUs: AMX tiles, or AVX-512 BF16 dot products, through ATen's
+// cpublas::brgemm (oneDNN) on VNNI-packed B operands). The running state, U and the outputs stay
+// fp32;
 // S, Vn, T and R are rounded to bf16 only as product operands (FLA's chunk kernels do the same).
 // fp32 / fp64 inputs always keep fp32 / fp64 products. The chunk backward (chunk_bwd.cpp) has
 // bf16 products of the same kind, chosen by the same rule.
 //
 // One knob, the environment variable TORCH_KDA_CHUNK_PRODUCTS, read at each call:
-//   auto (default)  bf16 products for bf16 inputs where the CPU packs bf16 for the GEMM library
-//                   (cpublas::could_pack(kBFloat16): AMX); fp32 products elsewhere, where bf16
-//                   products would run ATen's slow fallback, and for fp16 inputs (rounding their
+//   auto (default)  bf16 products for bf16 inputs where the CPU has bf16 product hardware that
+//                   the GEMM library drives (bf16_products_in_hardware: AMX, or AVX-512 BF16);
+//                   fp32 products elsewhere, where bf16 products would run ATen's slow fallback
+//                   or oneDNN's software emulation, and for fp16 inputs (rounding their
 //                   operands to bf16 would lose fp16's 3 extra mantissa bits);
 //   fp32            fp32 products always;
 //   bf16            bf16 products for 16-bit inputs everywhere: the real ones where the CPU has
@@ -35,9 +37,15 @@ namespace chunk {
 
 enum class Products {
   kNative,        // the compute dtype's products (fp32 for 16-bit inputs)
-  kBf16,          // bf16 operands, fp32 accumulation, ATen's cpublas::brgemm (packed B, AMX)
+  kBf16,          // bf16 operands, fp32 accumulation, ATen's cpublas::brgemm (packed B; AMX or
+                  // AVX-512 BF16)
   kBf16Emulated,  // the same numerics through the fp32 GEMM
 };
+
+// Whether ATen's cpublas::brgemm runs bf16 products on this CPU's own bf16 hardware for B
+// operands laid out by pack_b: AMX, or AVX-512 BF16 dot products (probed once per process), with
+// oneDNN enabled (chunk_products.cpp).
+bool bf16_products_in_hardware();
 
 // The products of a chunk forward or backward with inputs of dtype `input` and head sizes K, V
 // (reads TORCH_KDA_CHUNK_PRODUCTS; an unknown value raises c10::Error naming it; `op` prefixes

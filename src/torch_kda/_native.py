@@ -222,10 +222,12 @@ def prefer_chunk(x: KDAInputs) -> bool:
       T = 4K with beta = 1 and no decay, 0.026 with beta = 2, growing about as sqrt(T); the
       recurrent kernel 0.0017 at any length), for 1.0-1.2x the recurrent kernel's speed: not a
       trade ``auto`` makes on its own;
-    - its state products take bf16 operands on the CPU's matrix engine
+    - its state products take bf16 operands on the CPU's bf16 product hardware
       (``torch.ops.kda._chunk_bf16_products``: bf16 or fp16 inputs, K and V multiples of 16, a
-      CPU where ATen packs bf16 for its brgemm, i.e. AMX). Elsewhere the chunk forward measured
-      0.4-0.95x of the recurrent one (AVX2, AVX-512 without AMX, and fp32 inputs on AMX);
+      CPU with AMX or AVX-512 BF16 whose dot products ATen's brgemm drives). There the chunk
+      forward measured 1.0-1.2x the recurrent one (AMX host; AMD Zen 4, AVX-512 BF16: 0.97-1.05x,
+      its forward + backward 1.00-1.11x, B1 T8K H4 / H16, 1-2 threads); elsewhere 0.4-0.95x
+      (AVX2, AVX-512 without BF16, and fp32 inputs);
     - no gradient is recorded: the chunk forward + backward, with bf16 products in its backward
       too, measured 1.06-1.21x the recurrent pair on the AMX host (1 thread at H4 / H16, 16
       threads at H16), but 0.88-0.94x at H4 with 16 threads, and its gradient of A_log carries
@@ -276,10 +278,10 @@ def _threads() -> int:
 
 @_constant_to_compile
 def chunk_bf16_products(dtype: torch.dtype, K: int, V: int) -> bool:
-    """Whether ``torch.ops.kda.chunk`` would take bf16 state products on the CPU's matrix engine
-    (AMX) for inputs of ``dtype`` and head sizes ``K``, ``V`` (the op's own choice, the
-    TORCH_KDA_CHUNK_PRODUCTS knob included, read at each call). Raises ValueError on an unknown
-    knob value."""
+    """Whether ``torch.ops.kda.chunk`` would take bf16 state products on the CPU's bf16 product
+    hardware (AMX or AVX-512 BF16) for inputs of ``dtype`` and head sizes ``K``, ``V`` (the op's
+    own choice, the TORCH_KDA_CHUNK_PRODUCTS knob included, read at each call). Raises
+    ValueError on an unknown knob value."""
     return _op_bf16_products(os.environ.get("TORCH_KDA_CHUNK_PRODUCTS"), dtype, K, V)
 
 

@@ -284,8 +284,9 @@ def chunk_kda(
     report Eq. 10); ``"native"`` runs the C++ chunkwise kernel ``torch.ops.kda.chunk`` (matrix
     products over chunks of 64 tokens, fp32 products and accumulation, fp64 for fp64 inputs; for
     bf16 inputs the state products (forward and backward) take bf16 operands with fp32
-    accumulation on CPUs with AMX, as FLA's kernels do: about 0.8x the error of FLA's own chunk
-    kernel on the same inputs, within FLA's bar of 0.005 relative RMS at FLA's initialisation;
+    accumulation on CPUs with AMX or AVX-512 BF16, as FLA's kernels do: about 0.8x the error of
+    FLA's own chunk kernel on the same inputs, within FLA's bar of 0.005 relative RMS at FLA's
+    initialisation;
     with slow decays the state's rounding in every chunk adds up, about as sqrt(T) with no
     decay (T = 4096: 0.0055 at beta = 1, 0.026 at beta = 2; the recurrent kernel: 0.0017, the
     rounding of the output, at any length); gradients 0.1-0.9x FLA's errors, within its
@@ -299,10 +300,10 @@ def chunk_kda(
     length and the spacing of ``return_intermediate_states``, never the native result.
     ``"auto"`` on CPU runs the recurrent kernel unless ``TORCH_KDA_CHUNK_PRODUCTS=bf16`` asks
     for those bf16 products; then it runs the native chunkwise kernel where it is measured faster
-    than the recurrent one (bf16 inputs on CPUs with AMX, no gradient recorded, sequences of 2048
-    tokens or more, at least 2 (sequence, value head) pairs per thread;
+    than the recurrent one (bf16 inputs on CPUs with AMX or AVX-512 BF16, no gradient recorded,
+    sequences of 2048 tokens or more, at least 2 (sequence, value head) pairs per thread;
     ``_native.prefer_chunk``, docs/benchmarks.md) and the recurrent kernel otherwise (decoding,
-    short sequences, training, fp32 and fp16, CPUs without AMX).
+    short sequences, training, fp32 and fp16, CPUs without bf16 product hardware).
     """
     if not isinstance(disable_recompute, bool):
         raise TypeError(f"disable_recompute must be a bool, got {type(disable_recompute).__name__}")

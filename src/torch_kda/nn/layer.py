@@ -296,7 +296,7 @@ class KimiDeltaAttention(nn.Module):
             # The op computes in fp32 whatever its input dtype and returns o in q's dtype: fp16
             # inputs go in as fp32, so that o stays fp32 until the fp32 RMSNorm (an fp16 rounding
             # of o before the norm overflows for large states). bf16 has fp32's range: bf16
-            # inputs go in as they are (half the bytes read; on CPUs with AMX, under
+            # inputs go in as they are (half the bytes read; on CPUs with AMX or AVX-512 BF16, under
             # TORCH_KDA_CHUNK_PRODUCTS=bf16, `backend="auto"` can pick the chunk kernel's bf16
             # products, which the rule grants bf16 inputs only), as FLA's layer keeps the
             # activation dtype.

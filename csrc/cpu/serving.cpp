@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 
 #include "cpu/env_knob.h"
@@ -62,9 +63,26 @@ at::Tensor kernel_state(const at::Tensor& s, at::ScalarType ct) {
   return s.to(dtype_ok ? s.scalar_type() : ct).contiguous();
 }
 
-// Bytes of the last-level cache (sysconf; 32 MB where the system does not report it).
+// The size of the level-3 cache that CPU 0 shares with the cores around it, as Linux's sysfs
+// reports it (/sys/devices/system/cpu/cpu0/cache/index*/, the entry of level 3), or -1. On AMD
+// guests glibc's sysconf(_SC_LEVEL3_CACHE_SIZE) reports another number: the 2-core Zen 4 guest's
+// sysfs says 32 MB (one CCD's L3), its sysconf 320 MB.
+int64_t sysfs_l3_bytes() {
+  for (int i = 0; i < 8; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream level(dir + "level"), size(dir + "size");
+    int lv = 0;
+    std::string text;
+    if (level >> lv && lv == 3 && size >> text) return parse_cache_size(text);
+  }
+  return -1;
+}
+
+// Bytes of the last-level cache: sysfs's level 3, else sysconf's, else 32 MB.
 int64_t llc_bytes() {
   static const int64_t bytes = [] {
+    const int64_t sysfs = sysfs_l3_bytes();
+    if (sysfs > 0) return sysfs;
 #if defined(_SC_LEVEL3_CACHE_SIZE)
     const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
     if (l3 > 0) return static_cast<int64_t>(l3);
@@ -81,7 +99,9 @@ int64_t llc_bytes() {
 // last-level cache, at most 48 MB: a VM's share of a large shared L3 is less than sysconf reports
 // (the 16-core Xeon guest reports 300 MB, yet streaming ran 1.4-1.7x faster there at 64 MB of
 // state traffic, B16 H32; the AVX2 box's 32 MB L3: faster from 64 MB, slower at 4-32 MB when the
-// next call reads the state, K-first; docs/benchmarks.md "Decode against ggml, third round").
+// next call reads the state, K-first; docs/benchmarks.md "Decode against ggml, third round"; the
+// Zen 4 box's 32 MB L3, which only sysfs reports: 1.2-1.5x faster at B8 H32, 34 MB, when the
+// next call reads the state, slower at B4, 17 MB: "Decode: the last-level cache from sysfs").
 // Needs 64-byte alignment of dst and of its rows. TORCH_KDA_DECODE_STREAM=0 / 1 overrides the
 // size rule (benchmarks and tests compare the two side by side; the values written are the same).
 bool stream_final_state(const Config& cfg, const Dims& d, const ServingPlan& plan,
@@ -107,6 +127,20 @@ T* ptr_or_null(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
 }
 }  // namespace
+
+int64_t parse_cache_size(const std::string& text) {
+  size_t used = 0;
+  long long n = 0;
+  try {
+    n = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    return -1;
+  }
+  const std::string unit = text.substr(used);
+  const int64_t scale = unit.empty() ? 1 : unit == "K" ? 1 << 10 : unit == "M" ? 1 << 20 : -1;
+  if (n <= 0 || scale < 0) return -1;
+  return static_cast<int64_t>(n) * scale;
+}
 
 ServingPlan plain_plan(const Inputs& in, const Dims& d) {
   ServingPlan p;

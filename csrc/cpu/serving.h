@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cpu/kda_cpu.h"
@@ -44,6 +45,10 @@ bool is_decode_call(const Inputs& in, const Dims& d);
 // called before anything is written (a rejected serving call leaves the pool unchanged); raises
 // with report_domain's words and the first offending place.
 void check_domain(const Inputs& in, const Config& cfg, const Dims& d);
+
+// Bytes of a cache size as Linux's sysfs writes it ("32768K", "1M", "512"; K = 1024 bytes), or
+// -1 when `text` is not one (for the decode's last-level cache bound, serving.cpp).
+int64_t parse_cache_size(const std::string& text);
 
 }  // namespace detail
 }  // namespace kda

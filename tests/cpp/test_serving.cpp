@@ -6,6 +6,7 @@
 #include <kda/kda.h>
 
 #include "cpu/output_cache.h"
+#include "cpu/serving.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -245,3 +246,14 @@ TEST(ServingOutputs, FreshFinalStateComesFromTheOutputCache) {
 }
 
 }  // namespace
+
+// The decode's last-level cache bound reads sysfs's size strings (serving.cpp, llc_bytes).
+TEST(ServingCacheSize, ParsesSysfsSizesAndRejectsOthers) {
+  EXPECT_EQ(kda::detail::parse_cache_size("32768K"), int64_t(32) << 20);
+  EXPECT_EQ(kda::detail::parse_cache_size("1M"), int64_t(1) << 20);
+  EXPECT_EQ(kda::detail::parse_cache_size("512"), 512);
+  EXPECT_EQ(kda::detail::parse_cache_size("48K"), 48 * 1024);
+  for (const char* bad : {"", "K", "0K", "-4K", "32G", "32 K", "abc"}) {
+    EXPECT_EQ(kda::detail::parse_cache_size(bad), -1) << "'" << bad << "'";
+  }
+}

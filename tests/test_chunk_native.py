@@ -410,6 +410,23 @@ def test_chunk_bf16_products_query_follows_the_op_choice(monkeypatch):
         _native.chunk_bf16_products(torch.bfloat16, 128, 128)
 
 
+def test_chunk_bf16_products_query_follows_onednn_and_rejects_empty_heads(monkeypatch):
+    # With oneDNN off ATen's brgemm has no bf16 products: the cached answer must follow the switch
+    # both ways (it once stayed True after torch.backends.mkldnn.enabled = False).
+    from torch_kda import _native
+
+    monkeypatch.setenv("TORCH_KDA_CHUNK_PRODUCTS", "bf16")
+    on = _native.chunk_bf16_products(torch.bfloat16, 128, 128)
+    assert on is bool(torch.ops.kda._chunk_bf16_products(torch.bfloat16, 128, 128))
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert _native.chunk_bf16_products(torch.bfloat16, 128, 128) is False
+        assert torch.ops.kda._chunk_bf16_products(torch.bfloat16, 128, 128) is False
+    assert _native.chunk_bf16_products(torch.bfloat16, 128, 128) is on
+    for K in (0, -16):
+        assert torch.ops.kda._chunk_bf16_products(torch.bfloat16, K, 128) is False
+        assert torch.ops.kda._chunk_bf16_products(torch.bfloat16, 128, K) is False
+
+
 @pytest.mark.parametrize("T", [1, 5, 2048])
 def test_a_misspelt_products_knob_raises_under_auto_at_any_length(T, monkeypatch):
     # (it was read only where the rule's other conditions held: a long sequence)

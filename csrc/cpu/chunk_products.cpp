@@ -86,7 +86,9 @@ bool bf16_products_in_hardware() {
 Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op) {
   const std::string knob = products_knob(op);
   const bool half = input == at::kBFloat16 || input == at::kHalf;
-  if (!half || knob == "fp32" || K % 16 != 0 || V % 16 != 0) return Products::kNative;
+  if (!half || knob == "fp32" || K <= 0 || V <= 0 || K % 16 != 0 || V % 16 != 0) {
+    return Products::kNative;
+  }
   // fp16 keeps 3 mantissa bits more than a bf16 operand: its products round to bf16 only when
   // the knob says so (auto: fp32 products; bf16 products measured 3.1e-3 relative RMS against
   // float64 where the fp32 ones gave 2.1e-4, K = V = 128, T = 4096).

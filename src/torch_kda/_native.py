@@ -282,7 +282,8 @@ def chunk_bf16_products(dtype: torch.dtype, K: int, V: int) -> bool:
     hardware (AMX or AVX-512 BF16) for inputs of ``dtype`` and head sizes ``K``, ``V`` (the op's
     own choice, the TORCH_KDA_CHUNK_PRODUCTS knob included, read at each call). Raises
     ValueError on an unknown knob value."""
-    return _op_bf16_products(os.environ.get("TORCH_KDA_CHUNK_PRODUCTS"), dtype, K, V)
+    return _op_bf16_products(os.environ.get("TORCH_KDA_CHUNK_PRODUCTS"),
+                             torch.backends.mkldnn.enabled, dtype, K, V)
 
 
 @_constant_to_compile
@@ -292,11 +293,13 @@ def _bf16_products_asked() -> bool:
     return os.environ.get("TORCH_KDA_CHUNK_PRODUCTS") == "bf16"
 
 
-# The op's answer depends only on the knob's value (part of the key: the op reads it itself) and
-# on the CPU: asked once per key, not on every chunk_kda call of backend="auto" (3 us per call of
-# the op). A bad knob value raises on every call (lru_cache keeps no exceptions).
+# The op's answer depends only on the knob's value and whether oneDNN is enabled (parts of the key:
+# the op reads both itself; with oneDNN off ATen's brgemm has no bf16 products) and on the CPU:
+# asked once per key, not on every chunk_kda call of backend="auto" (3 us per call of the op). A
+# bad knob value raises on every call (lru_cache keeps no exceptions).
 @functools.lru_cache(maxsize=64)
-def _op_bf16_products(knob: Optional[str], dtype: torch.dtype, K: int, V: int) -> bool:
+def _op_bf16_products(knob: Optional[str], onednn: bool, dtype: torch.dtype, K: int,
+                      V: int) -> bool:
     return bool(torch.ops.kda._chunk_bf16_products(dtype, K, V))
 
 

@@ -225,9 +225,9 @@ def prefer_chunk(x: KDAInputs) -> bool:
     - its state products take bf16 operands on the CPU's bf16 product hardware
       (``torch.ops.kda._chunk_bf16_products``: bf16 or fp16 inputs, K and V multiples of 16, a
       CPU with AMX or AVX-512 BF16 whose dot products ATen's brgemm drives). There the chunk
-      forward measured 1.0-1.2x the recurrent one (AMX host; AMD Zen 4, AVX-512 BF16: 0.97-1.05x,
-      its forward + backward 1.00-1.11x, B1 T8K H4 / H16, 1-2 threads); elsewhere 0.4-0.95x
-      (AVX2, AVX-512 without BF16, and fp32 inputs);
+      forward measured 1.0-1.2x the recurrent one (AMX host; AMD Zen 4, AVX-512 BF16: 0.94-1.19x,
+      its forward + backward 0.94-1.16x, B1 T2K / T8K, H4 / H16, 1-2 threads); elsewhere
+      0.4-0.95x (AVX2, AVX-512 without BF16, and fp32 inputs);
     - no gradient is recorded: the chunk forward + backward, with bf16 products in its backward
       too, measured 1.06-1.21x the recurrent pair on the AMX host (1 thread at H4 / H16, 16
       threads at H16), but 0.88-0.94x at H4 with 16 threads, and its gradient of A_log carries

@@ -11,8 +11,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <string>
 
 #include "cpu/env_knob.h"
@@ -69,11 +70,21 @@ at::Tensor kernel_state(const at::Tensor& s, at::ScalarType ct) {
 // sysfs says 32 MB (one CCD's L3), its sysconf 320 MB.
 int64_t sysfs_l3_bytes() {
   for (int i = 0; i < 8; ++i) {
-    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
-    std::ifstream level(dir + "level"), size(dir + "size");
-    int lv = 0;
-    std::string text;
-    if (level >> lv && lv == 3 && size >> text) return parse_cache_size(text);
+    char path[96];
+    std::snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
+    std::FILE* f = std::fopen(path, "r");
+    if (f == nullptr) continue;
+    int level = 0;
+    const bool read_level = std::fscanf(f, "%d", &level) == 1;
+    std::fclose(f);
+    if (!read_level || level != 3) continue;
+    std::snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+    f = std::fopen(path, "r");
+    if (f == nullptr) return -1;
+    char text[32] = {};
+    const bool read_size = std::fscanf(f, "%31s", text) == 1;
+    std::fclose(f);
+    return read_size ? parse_cache_size(text) : -1;
   }
   return -1;
 }
@@ -129,17 +140,14 @@ T* ptr_or_null(const at::Tensor& t) {
 }  // namespace
 
 int64_t parse_cache_size(const std::string& text) {
-  size_t used = 0;
-  long long n = 0;
-  try {
-    n = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    return -1;
-  }
-  const std::string unit = text.substr(used);
+  const char* s = text.c_str();
+  char* end = nullptr;
+  errno = 0;
+  const long long n = std::strtoll(s, &end, 10);
+  if (end == s || errno != 0 || n <= 0 || n > (1LL << 40)) return -1;
+  const std::string unit(end);
   const int64_t scale = unit.empty() ? 1 : unit == "K" ? 1 << 10 : unit == "M" ? 1 << 20 : -1;
-  if (n <= 0 || scale < 0) return -1;
-  return static_cast<int64_t>(n) * scale;
+  return scale < 0 ? -1 : static_cast<int64_t>(n) * scale;
 }
 
 ServingPlan plain_plan(const Inputs& in, const Dims& d) {

@@ -111,8 +111,9 @@ int64_t llc_bytes() {
 // (the 16-core Xeon guest reports 300 MB, yet streaming ran 1.4-1.7x faster there at 64 MB of
 // state traffic, B16 H32; the AVX2 box's 32 MB L3: faster from 64 MB, slower at 4-32 MB when the
 // next call reads the state, K-first; docs/benchmarks.md "Decode against ggml, third round"; the
-// Zen 4 box's 32 MB L3, which only sysfs reports: 1.2-1.5x faster at B8 H32, 34 MB, when the
-// next call reads the state, slower at B4, 17 MB: "Decode: the last-level cache from sysfs").
+// Zen 4 box's 32 MB L3, which only sysfs reports: 1.2-1.3x faster from B10 H32, 42 MB, when the
+// next call reads the state, and at B8, exactly 32 MiB, which the strict bound leaves to plain
+// stores as the Zen 3 box wants; slower at B4: "Decode: the last-level cache from sysfs").
 // Needs 64-byte alignment of dst and of its rows. TORCH_KDA_DECODE_STREAM=0 / 1 overrides the
 // size rule (benchmarks and tests compare the two side by side; the values written are the same).
 bool stream_final_state(const Config& cfg, const Dims& d, const ServingPlan& plan,

@@ -1,5 +1,5 @@
 // Where the chunk forward's time goes, piece by piece, on one thread: the three per-chunk pieces
-// of csrc/cpu/chunk_common.h (decays_and_am, solve_wu, state_step) timed separately over the
+// of csrc/cpu/chunk_common.h (decays_and_am, forward_solve, state_step) timed separately over the
 // chunks of one sequence, with the products the forward would use (fp32, or bf16 with fp32
 // accumulation), against the rate of one product of the state step's shape ([64, 128] x
 // [128, 128]) through the same library call, measured in the same process.
@@ -104,13 +104,16 @@ int main(int argc, char** argv) {
 
   chunk::FlushDenormals ftz;
   constexpr int kPieces = 3;
-  const char* names[kPieces] = {"decays_and_am", "solve_wu", "state_step"};
+  const char* names[kPieces] = {"decays_and_am", "forward_solve", "state_step"};
   // FLOPs per full chunk (multiply-adds count 2): A0 and M (2 x C^2/2 x K x 2), the solve
-  // (T = (I + A)^-1: C^3 / 3; T R: 2 C^2 (K + V)), the state step's products W S, (Q . Gam) S and
-  // Kdec^T Vn (2 C K V each) and M Vn (2 C^2 V, counted full: its upper half is zero). In all
-  // 10.6 MFLOP at K = V = C * 2 = 128, 1.26x the recurrent form's 8 K V per token (8.4 MFLOP).
-  const double flops[kPieces] = {2.0 * C * C * K, C * C * C / 3.0 + 2.0 * C * C * (K + V),
-                                 6.0 * C * K * V + 2.0 * C * C * V};
+  // (T = (I + A)^-1: C^3 / 3; with fp32 products also T R: 2 C^2 (K + V)), the state step's
+  // products W S (bf16: (beta Gam . K) S), (Q . Gam) S and Kdec^T Vn (2 C K V each), M Vn
+  // (2 C^2 V, counted full: its upper half is zero) and with bf16 products T R' (2 C^2 V). In all
+  // 10.6 MFLOP (bf16: 9.5) at K = V = C * 2 = 128, 1.26x (1.13x) the recurrent form's 8 K V per
+  // token (8.4 MFLOP).
+  const double flops[kPieces] = {
+      2.0 * C * C * K, C * C * C / 3.0 + (bf16 ? 0.0 : 2.0 * C * C * (K + V)),
+      6.0 * C * K * V + 2.0 * C * C * V + (bf16 ? 2.0 * C * C * V : 0.0)};
   double best[kPieces], best_total = 1e30;
   std::fill(best, best + kPieces, 1e30);
   for (int pass = 0; pass < 9; ++pass) {
@@ -131,7 +134,7 @@ int main(int argc, char** argv) {
       double t0 = now();
       chunk::decays_and_am(in, w);
       double t1 = now();
-      chunk::solve_wu(in, w);
+      chunk::forward_solve(in, w);
       double t2 = now();
       chunk::state_step(in, w, S.data(), o.data() + ci * C * V, V);
       double t3 = now();

@@ -117,12 +117,15 @@ ChunkWork<T>::ChunkWork(Carver& c, int64_t K, int64_t V) {
 template <typename T>
 void bind_results(ChunkWork<T>& w, Carver& store, int64_t K, int64_t V, bool bf16) {
   w.gam = store.take<T>(kC * K);
-  w.am = store.take<T>(kC * 2 * kC);
   w.x = store.take<T>(kC * (K + V));
   if (bf16) {
     w.prod.qg = store.take<at::BFloat16>(kC * K);
     w.prod.kdecT = store.take<at::BFloat16>(K * kC);
+    w.prod.nkg = store.take<at::BFloat16>(kC * K);
+    w.prod.tinv = store.take<at::BFloat16>(kC * kC);
+    w.prod.m = store.take<at::BFloat16>(kC * kC);
   } else {
+    w.am = store.take<T>(kC * 2 * kC);
     w.qg = store.take<T>(kC * K);
     w.kdecT = store.take<T>(K * kC);
   }
@@ -211,19 +214,20 @@ KDA_ALWAYS_INLINE void direct_block(const ChunkIn<T>& c, ChunkWork<T>& w, int64_
 
 namespace {
 
-// Row i of the solve's right-hand side R = [-beta_i Gam_i . k_i | beta_i v_i] into r [K + V].
+// Row i of the solve's right-hand side R = [-beta_i Gam_i . k_i | beta_i v_i]: its K part into
+// rk [K], its V part into rv [V].
 template <typename T>
 KDA_ALWAYS_INLINE void rhs_row(const ChunkIn<T>& c, const ChunkWork<T>& w, int64_t i,
-                               T* __restrict r) {
+                               T* __restrict rk, T* __restrict rv) {
   const int64_t K = c.K, V = c.V;
   const T b = c.beta[i];
   const T* __restrict g = w.gam + i * K;
   const T* __restrict k = c.k + i * K;
   const T* __restrict v = c.v + i * c.ldv;
   KDA_IVDEP
-  for (int64_t d = 0; d < K; ++d) r[d] = -b * (g[d] * k[d]);
+  for (int64_t d = 0; d < K; ++d) rk[d] = -b * (g[d] * k[d]);
   KDA_IVDEP
-  for (int64_t e = 0; e < V; ++e) r[K + e] = b * v[e];
+  for (int64_t e = 0; e < V; ++e) rv[e] = b * v[e];
 }
 
 // tot = a_lo ... a_{hi-1} per channel (the block's total decay); whether its least entry keeps
@@ -250,8 +254,8 @@ KDA_ALWAYS_INLINE bool block_decay(const ChunkIn<T>& c, int64_t lo, int64_t hi,
 //   gam_i = gam_{i-1} . a_i and q_i . gam_i (qg: fp32, or rounded into prod.qg);
 //   the row factors Rf_i = a_b0 ... a_i: k_i . Rf_i, q_i . Rf_i interleaved in lq;
 //   factored: the block's own column factors k_i / Rf_i in kr (row i - b0);
-//   bf16 products: the solve's right-hand side row [-beta_i gam_i . k_i | beta_i v_i], rounded
-//   into its packed B operand (chunk_products.h, pack_b_rows).
+//   bf16 products: the right-hand side row [-beta_i gam_i . k_i | beta_i v_i] of the solve,
+//   the K part rounded to bf16 (prod.nkg), the V part in fp32 (x's V columns).
 template <typename T>
 KDA_ALWAYS_INLINE void block_rows(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t b0, int64_t b1,
                                   bool factored) {
@@ -288,12 +292,10 @@ KDA_ALWAYS_INLINE void block_rows(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t 
     if constexpr (std::is_same_v<T, float>) {
       if (bf16) {
         round_bf16(qg, w.prod.qg + i * K, K);
-        // R's rows in pairs (rhs rows 0 and 1), packed once a pair (or the last row) is made.
-        rhs_row(c, w, i, w.rhs + (i & 1) * (K + V));
-        if ((i & 1) || i + 1 == c.n) {
-          pack_b_rows(w.prod, product_cols(c.n), K + V, i & ~int64_t(1), (i & ~int64_t(1)) + 2,
-                      i + 1, w.rhs, K + V, w.prod.rhs);
-        }
+        // Row i of R: -beta_i gam_i . k_i through a scratch row (rhs row 0), rounded into
+        // prod.nkg; beta_i v_i in fp32 into x's V columns (state_step_bf16's R').
+        rhs_row(c, w, i, w.rhs, w.x + i * (K + V) + K);
+        round_bf16(w.rhs, w.prod.nkg + i * K, K);
       }
     }
   }
@@ -411,17 +413,12 @@ KDA_CLONES void decays_and_am(const ChunkIn<T>& c, ChunkWork<T>& w) {
 namespace {
 
 
-// solve_wu with bf16 products (w.prod.mode, float only): T = (I + A)^-1 in fp32, then
-// X = T R as one bf16 product (T and R rounded to bf16, as FLA's chunk kernels do for 16-bit
-// inputs) instead of two fp32 GEMMs per row block: the products are the calls that cost, not
-// their arithmetic.
-KDA_ALWAYS_INLINE void solve_wu_bf16(const ChunkIn<float>& c, ChunkWork<float>& w) {
-  const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
+// T = (I + A)^-1 (unit lower triangular, rows [0, n)) in fp32 by forward substitution, rounded to
+// bf16 into w.prod.tinv over product_cols(n) columns (zero past each row's diagonal).
+KDA_ALWAYS_INLINE void inverse_bf16(const ChunkIn<float>& c, ChunkWork<float>& w) {
+  const int64_t n = c.n;
   const ProductWork& p = w.prod;
   const int64_t ncol = product_cols(n);
-  // R's rows [0, n) were packed by decays_and_am; the rest up to ncol are zero.
-  const int64_t r0 = (n + 1) / 2 * 2;
-  pack_b_rows(p, ncol, ld, r0, ncol, r0, nullptr, ld, p.rhs);
   // T row by row, T_i = e_i + sum_{j<i} na_ij T_j (na = -A), rows of kC columns (T_j is zero
   // past column j), written over na: row i of na is read before row i of T replaces it. Two
   // partial sums (even and odd j) halve the chain of dependent additions.
@@ -460,7 +457,16 @@ KDA_ALWAYS_INLINE void solve_wu_bf16(const ChunkIn<float>& c, ChunkWork<float>& 
     ti[i] = 1.0f;
     round_bf16(ti, p.tinv + i * kC, ncol);
   }
-  gemm16(p, n, ld, ncol, p.tinv, kC, p.rhs, w.x, ld, /*add=*/false);
+}
+
+// solve_wu with bf16 products (w.prod.mode, float only): T = (I + A)^-1 in fp32, then
+// X = T R as one bf16 product (T and R rounded to bf16, as FLA's chunk kernels do for 16-bit
+// inputs) instead of two fp32 GEMMs per row block: the products are the calls that cost, not
+// their arithmetic. R was packed by pack_rhs.
+KDA_ALWAYS_INLINE void solve_wu_bf16(const ChunkIn<float>& c, ChunkWork<float>& w) {
+  inverse_bf16(c, w);
+  gemm16(w.prod, c.n, c.K + c.V, product_cols(c.n), w.prod.tinv, kC, w.prod.rhs, w.x,
+         c.K + c.V, /*add=*/false);
 }
 
 }  // namespace
@@ -481,7 +487,9 @@ KDA_CLONES void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w) {
   const int64_t nb = (n + kSub - 1) / kSub;
   for (int64_t I = 0; I < nb; ++I) {
     const int64_t b0 = I * kSub, b1 = std::min(n, b0 + kSub), rows = b1 - b0;
-    for (int64_t i = b0; i < b1; ++i) rhs_row(c, w, i, w.rhs + (i - b0) * ld);
+    for (int64_t i = b0; i < b1; ++i) {
+      rhs_row(c, w, i, w.rhs + (i - b0) * ld, w.rhs + (i - b0) * ld + K);
+    }
     if (b0 > 0) gemm(rows, ld, b0, w.na + b0 * kC, kC, w.x, ld, w.rhs, ld, /*add=*/true);
     T* di = w.dinv + I * kSub * kSub;
     for (int64_t i = 0; i < rows; ++i) {
@@ -499,40 +507,55 @@ KDA_CLONES void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w) {
 }
 
 template <typename T>
+KDA_CLONES void forward_solve(const ChunkIn<T>& c, ChunkWork<T>& w) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (w.prod.mode != Products::kNative) {
+      inverse_bf16(c, w);
+      const int64_t ncol = product_cols(c.n);
+      for (int64_t i = 0; i < c.n; ++i) round_bf16(w.am + (2 * i + 1) * kC, w.prod.m + i * kC, ncol);
+      return;
+    }
+  }
+  solve_wu(c, w);
+}
+
+template <typename T>
 void chunk_intra(const ChunkIn<T>& c, ChunkWork<T>& w) {
   decays_and_am(c, w);
-  solve_wu(c, w);
+  forward_solve(c, w);
 }
 
 KDA_CLONES void pack_rhs(const ChunkIn<float>& c, ChunkWork<float>& w) {
   const int64_t n = c.n, ld = c.K + c.V;
   // x, the solve's result (not yet written), stages R's rows.
-  for (int64_t i = 0; i < n; ++i) rhs_row(c, w, i, w.x + i * ld);
+  for (int64_t i = 0; i < n; ++i) rhs_row(c, w, i, w.x + i * ld, w.x + i * ld + c.K);
   pack_b(w.prod, product_cols(n), ld, n, w.x, ld, w.prod.rhs);
 }
 
 namespace {
 
-// state_step with bf16 products (chunk_products.h): S packed once for the two products that read
-// it, Vn once for the two that read it; -W and M rounded from the solve's / decays_and_am's fp32
-// results, q . Gam and Kdec^T already bf16 (decays_and_am). Columns and rows past n up to a
-// multiple of the products' k-step (product_cols) are zero in both operands of the products over
-// the chunk's tokens.
+// state_step with bf16 products (chunk_products.h), in the order that applies T = (I + A)^-1
+// once, to a right-hand side that already holds the state's part (docs/math.md, "Chunkwise
+// form"): R' = beta V - (beta Gam . K) S, then Vn = T R' (the same Vn as U - W S with
+// [-W | U] = T R; one [n, n] x [n, V] product instead of the solve's [n, n] x [n, K + V] and the
+// [n, K] x [K, V] product with W). S is packed once for the two products that read it, R' and
+// Vn once each; -beta Gam . K, q . Gam, T, M and Kdec^T are already bf16 (forward_solve,
+// decays_and_am). Columns and rows past n up to a multiple of the products' k-step
+// (product_cols) are zero in both operands of the products over the chunk's tokens.
 KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, float* S,
                                 float* o, int64_t ldo) {
   const int64_t n = c.n, K = c.K, V = c.V, ld = K + V;
   const ProductWork& p = w.prod;
-  const int64_t ncol = product_cols(n);  // decays_and_am zeroed M's columns past n up to here
-  float* vn = w.x + K;
-  for (int64_t i = 0; i < n; ++i) {
-    round_bf16(w.x + i * ld, p.nw + i * K, K);
-    round_bf16(w.am + (2 * i + 1) * kC, p.m + i * kC, ncol);
-  }
+  const int64_t ncol = product_cols(n);
+  float* r = w.x + K;  // beta V (decays_and_am), then R', then Vn
   pack_b(p, K, V, K, S, V, p.s);
-  // Vn = U + (-W) S;  o = (Q . Gam) S
-  gemm16(p, n, V, K, p.nw, K, p.s, vn, ld, /*add=*/true);
+  // R' = beta V + (-beta Gam . K) S;  o = (Q . Gam) S
+  gemm16(p, n, V, K, p.nkg, K, p.s, r, ld, /*add=*/true);
   gemm16(p, n, V, K, p.qg, K, p.s, o, ldo, /*add=*/false);
-  pack_b(p, ncol, V, n, vn, ld, p.vn);
+  // Vn = T R' (R' packed first, so that Vn can replace it)
+  pack_b(p, ncol, V, n, r, ld, p.vn);
+  gemm16(p, n, V, ncol, p.tinv, kC, p.vn, r, ld, /*add=*/false);
+  pack_b(p, ncol, V, n, r, ld, p.vn);
   // o += M Vn (M is zero above the diagonal: one product over all columns)
   gemm16(p, n, V, ncol, p.m, kC, p.vn, o, ldo, /*add=*/true);
   // S <- Diag(Gam_last) S + Kdec^T Vn
@@ -583,6 +606,7 @@ KDA_CLONES void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S, T* o, int
   template void bind_results<T>(ChunkWork<T>&, Carver&, int64_t, int64_t, bool);  \
   template void decays_and_am<T>(const ChunkIn<T>&, ChunkWork<T>&);      \
   template void solve_wu<T>(const ChunkIn<T>&, ChunkWork<T>&);           \
+  template void forward_solve<T>(const ChunkIn<T>&, ChunkWork<T>&);      \
   template void chunk_intra<T>(const ChunkIn<T>&, ChunkWork<T>&);        \
   template void state_step<T>(const ChunkIn<T>&, ChunkWork<T>&, T*, T*, int64_t);
 KDA_CHUNK_INSTANTIATE(float)

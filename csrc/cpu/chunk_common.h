@@ -112,19 +112,20 @@ struct ChunkIn {
 //                        j < i, else 0), row i of M at am + (2 i + 1) kC (j <= i, else 0), over
 //                        columns j < ceil(n / kSub) * kSub
 //   na    [kC, kC]       -beta_i A0_ij (j < i): minus A of docs/math.md (with bf16 products
-//                        solve_wu overwrites it with T = (I + A)^-1)
-//   x     [kC, K + V]    after solve: [-W | U]; after state_step: [-W | Vn]
+//                        the solve overwrites it with T = (I + A)^-1)
+//   x     [kC, K + V]    after solve_wu: [-W | U]; after state_step: [-W | Vn] (the bf16
+//                        forward: V part beta V from decays_and_am, Vn after state_step)
 //   rhs   [kSub, K + V]  (solve) one row block of [-diag(beta) (Gam . K) | diag(beta) V], then
-//                        R_I - A[I, :b0] X[:b0]; with bf16 products rows 0-1 are a pair of R's rows
-//                        before packing and row 2 a row of q . Gam before rounding
+//                        R_I - A[I, :b0] X[:b0]; with bf16 products row 0 a row of
+//                        -beta Gam . K and row 2 a row of q . Gam before rounding
 //   dinv  [kC / kSub, kSub, kSub]  (I + A_II)^-1 of each diagonal block II
 //   lq    [2 kSub, K]    row factors of one row block, rows k_i . Rf_i and q_i . Rf_i interleaved
 //   kr    [kSub, K]      (scratch: one block's column factors before their transposition)
 //   krT   [K, kC]        (scratch: the column factors with bf16 products; else kdecT holds them)
 //   w     [4 K]          (scratch: running products, the block's total decay, ones)
 // With bf16 state products (prod.mode, float only; set by the forward) decays_and_am writes
-// q . Gam and Kdec^T as bf16 operands into prod (qg and kdecT above then are scratch or unused),
-// and the solve's right-hand side rows into its packed operand (prod.rhs).
+// q . Gam, Kdec^T and -beta Gam . K as bf16 operands into prod (qg and kdecT above then are
+// scratch or unused), and beta V into x's V columns.
 template <typename T>
 struct ChunkWork {
   T *gam, *qg, *kdecT, *am, *na, *x, *rhs, *dinv, *lq, *kr, *krT, *w;
@@ -134,7 +135,7 @@ struct ChunkWork {
 };
 
 // The results of chunk_intra that state_step reads (gam, qg, kdecT, am, x; with bf16 products
-// prod.qg and prod.kdecT instead of qg and kdecT), kept per chunk so that the state-independent
+// prod.qg, prod.kdecT, prod.nkg, prod.tinv and prod.m instead of qg, kdecT and am), kept per chunk so that the state-independent
 // part of many chunks can run in parallel before their state steps (csrc/cpu/chunk_fwd.cpp):
 // w's result parts pointed at one chunk's store, taken from `store`; carving no memory counts
 // the bytes of one chunk's results.
@@ -155,20 +156,27 @@ void decays_and_am(const ChunkIn<T>& c, ChunkWork<T>& w);
 template <typename T>
 void solve_wu(const ChunkIn<T>& c, ChunkWork<T>& w);
 
-// The bf16 solve's right-hand side R (rows [0, n)) packed into w.prod.rhs from gam, as
-// decays_and_am stages it with bf16 products: for a caller whose decays_and_am ran with fp32
-// products (the chunk backward, which reads the fp32 q . Gam), before solve_wu with bf16 ones.
+// The bf16 solve's right-hand side R (rows [0, product_cols(n)), zero past n) packed into
+// w.prod.rhs from gam: before solve_wu with bf16 products (the chunk backward, whose
+// decays_and_am runs with fp32 products: it reads the fp32 q . Gam).
 void pack_rhs(const ChunkIn<float>& c, ChunkWork<float>& w);
 
-// All the state-independent quantities of the chunk: decays_and_am, solve_wu.
+// The forward's solve (after decays_and_am): solve_wu, or with bf16 products only
+// T = (I + A)^-1 (prod.tinv) and M (prod.m) rounded to bf16: state_step applies T to the
+// right-hand side once the state's part is in it.
+template <typename T>
+void forward_solve(const ChunkIn<T>& c, ChunkWork<T>& w);
+
+// All the state-independent quantities of the chunk: decays_and_am, forward_solve.
 template <typename T>
 void chunk_intra(const ChunkIn<T>& c, ChunkWork<T>& w);
 
 // With S [K, V] (row stride V) the state entering the chunk (after chunk_intra):
-//   x's U part becomes Vn = U - W S, the chunk's output rows o [n, V] (row stride ldo: written
-//   by the products straight into the caller's output) become (Q . Gam) S + M Vn, and S becomes
-//   the state leaving the chunk, Diag(Gam_last) S + Kdec^T Vn. The four products run in the
-//   precision of w.prod.mode (chunk_products.h); S and Vn stay in T.
+//   x's U part becomes Vn = U - W S (bf16 products: Vn = T (beta V - (beta Gam . K) S)), the
+//   chunk's output rows o [n, V] (row stride ldo: written by the products straight into the
+//   caller's output) become (Q . Gam) S + M Vn, and S becomes the state leaving the chunk,
+//   Diag(Gam_last) S + Kdec^T Vn. The products run in the precision of w.prod.mode
+//   (chunk_products.h); S and Vn stay in T.
 template <typename T>
 void state_step(const ChunkIn<T>& c, ChunkWork<T>& w, T* S, T* o, int64_t ldo);
 

@@ -99,8 +99,6 @@ Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char*
 
 ProductWork::ProductWork(Products mode_, Carver& c, int64_t K, int64_t V) : mode(mode_) {
   const int64_t R = std::max(K, kC);
-  nw = c.take<at::BFloat16>(kC * K);
-  m = c.take<at::BFloat16>(kC * kC);
   tinv = c.take<at::BFloat16>(kC * kC);
   s = c.take<float>(K * V);  // packed bf16 needs half of this; the emulation's fp32 all of it
   vn = c.take<float>(kC * V);

@@ -4,8 +4,9 @@
 // R = [-diag(beta) (Gam . K) | diag(beta) V].
 // For bf16 / fp16 INPUTS these may run with bf16 operands and fp32 accumulation (the matrix
 // engines of server CPUs: AMX tiles, or AVX-512 BF16 dot products, through ATen's
-// cpublas::brgemm (oneDNN) on VNNI-packed B operands). The running state, U and the outputs stay
-// fp32;
+// cpublas::brgemm (oneDNN) on VNNI-packed B operands). The forward then applies T to the
+// state's part of the right-hand side instead (state_step_bf16): Vn = T (beta V - (beta Gam . K) S),
+// the same Vn with one product less. The running state, beta V and the outputs stay fp32;
 // S, Vn, T and R are rounded to bf16 only as product operands (FLA's chunk kernels do the same).
 // fp32 / fp64 inputs always keep fp32 / fp64 products. The chunk backward (chunk_bwd.cpp) has
 // bf16 products of the same kind, chosen by the same rule.
@@ -57,21 +58,23 @@ bool bf16_products_in_hardware();
 // products").
 Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op);
 
-// Per-thread operands of the bf16 state products, parts of a thread's workspace (carver.h), except qg and kdecT, which are per chunk (chunk::bind_results points
-// them into the forward's store of chunk results). A operands (bf16, row-major, zero past the
-// chunk's rows/columns where a product reads them):
+// Operands of the bf16 products. A operands (bf16, row-major, zero past the chunk's
+// rows/columns where a product reads them); those of the forward's state step are per chunk
+// (chunk::bind_results points them into the forward's store of chunk results):
 //   qg    [kC, K]   (q_i . Gam_i), written by decays_and_am
 //   kdecT [K, kC]   end-decayed keys, transposed, written by decays_and_am
-//   nw    [kC, K]   -W (from the solve)
-//   m     [kC, kC]  M
-//   tinv  [kC, kC]  (I + A)^-1 (the W/U solve)
-// B operands (S, Vn and the solve's right-hand side R [kC, K + V], rounded to bf16, laid out by
-// pack_b):
+//   nkg   [kC, K]   -beta_i Gam_i . k_i (the K part of the solve's right-hand side R), written
+//                   by decays_and_am
+//   m     [kC, kC]  M, rounded by forward_solve
+//   tinv  [kC, kC]  (I + A)^-1 (per chunk in the forward; a part of the thread's workspace for
+//                   the backward's W/U solve)
+// B operands, parts of a thread's workspace (carver.h): S, Vn (or R') and the backward's solve
+// right-hand side R [kC, K + V], rounded to bf16, laid out by pack_b:
 //   s, vn, rhs      packed (kBf16) or rounded fp32 (kBf16Emulated)
 //   fa              [max(K, kC), max(K, kC)] fp32 (emulation: an A operand widened)
 struct ProductWork {
   Products mode = Products::kNative;
-  at::BFloat16 *qg = nullptr, *kdecT = nullptr, *nw = nullptr, *m = nullptr, *tinv = nullptr;
+  at::BFloat16 *qg = nullptr, *kdecT = nullptr, *nkg = nullptr, *m = nullptr, *tinv = nullptr;
   void *s = nullptr, *vn = nullptr, *rhs = nullptr;
   float* fa = nullptr;
   // Takes its parts from c.

@@ -205,8 +205,9 @@ KDA_CLONES void pack_b_rows(const ProductWork& p, int64_t Kd, int64_t N, int64_t
 }
 
 void gemm16(const ProductWork& p, int64_t M, int64_t N, int64_t Kd, const at::BFloat16* A,
-            int64_t lda, const void* B, float* C, int64_t ldc, bool add) {
+            int64_t lda, const void* B, float* C, int64_t ldc, bool add, int64_t kb) {
   if (M <= 0 || N <= 0) return;
+  if (kb < Kd) kb = Kd;
   if (p.mode == Products::kBf16Emulated) {
     // bf16 x bf16 products are exact in fp32 (8 + 8 significant bits), so widening the operands
     // and running the fp32 GEMM gives the numerics of bf16 products with fp32 accumulation.
@@ -222,7 +223,7 @@ void gemm16(const ProductWork& p, int64_t M, int64_t N, int64_t Kd, const at::BF
   const at::BFloat16* b = static_cast<const at::BFloat16*>(B);
   for (int64_t e0 = 0; e0 < N; e0 += kBlockN) {
     const int64_t width = std::min(kBlockN, N - e0);
-    at::native::cpublas::brgemm(M, width, Kd, lda, width, ldc, add, A, b + e0 * Kd, C + e0,
+    at::native::cpublas::brgemm(M, width, Kd, lda, width, ldc, add, A, b + e0 * kb, C + e0,
                                 /*is_vnni=*/true);
   }
 }

@@ -100,9 +100,10 @@ inline void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, co
   pack_b_rows(p, Kd, N, 0, Kd, rows, src, lds, dst);
 }
 
-// C[M, N] (+)= A[M, Kd] B[Kd, N]: A bf16 row-major (stride lda), B from pack_b, fp32 C.
+// C[M, N] (+)= A[M, Kd] B[Kd, N]: A bf16 row-major (stride lda), B from pack_b, fp32 C. B may
+// have been packed with more rows, kb (a multiple of 16, >= Kd): its first Kd rows are used.
 void gemm16(const ProductWork& p, int64_t M, int64_t N, int64_t Kd, const at::BFloat16* A,
-            int64_t lda, const void* B, float* C, int64_t ldc, bool add);
+            int64_t lda, const void* B, float* C, int64_t ldc, bool add, int64_t kb = 0);
 
 }  // namespace chunk
 }  // namespace detail

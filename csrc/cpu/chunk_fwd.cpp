@@ -1,14 +1,14 @@
 // CPU forward of the chunkwise KDA (docs/math.md, "Chunkwise form"): the token blocks of the
-// recurrent forward (run_fwd_blocked), and in each block the chunks of kChunk tokens of every
+// recurrent forward (run_fwd_blocked), and in each block the chunks of kFwdChunk tokens of every
 // (sequence, value head) unit through the shared pieces of csrc/cpu/chunk_common.h: in waves of
 // a few chunks per unit, the state-independent part of every chunk in parallel (each chunk
 // pre-processes its own rows of one head with the recurrent forward's pass, then chunk_intra),
 // and each unit's state steps in chunk order as soon as its chunks' parts are done.
 //
-// Chunks start at origin + c * kChunk (as the recurrent forward's checkpoints: a sequence of a
-// varlen batch that starts inside a chunk has a shorter first chunk), so the checkpoints
-// [n_slots, HV, K, V] hold exactly what kda::fused_recurrent_fwd stores there and either
-// backward can consume them.
+// Chunks start at origin + c * kFwdChunk, half the recurrent forward's checkpoint interval
+// kChunk, so every other chunk starts at a checkpoint (a sequence of a varlen batch that starts
+// inside a chunk has a shorter first chunk), and the checkpoints [n_slots, HV, K, V] hold exactly
+// what kda::fused_recurrent_fwd stores there: either backward can consume them.
 #include "cpu/chunk_common.h"
 #include "cpu/kda_cpu.h"
 #include "cpu/output_cache.h"
@@ -38,6 +38,13 @@ struct ChunkRows {
         beta(c.take<T>(chunk::kC)),
         v(c.take<T>(chunk::kC * V)) {}
 };
+
+// The forward's chunk length: half the checkpoint interval kC (every other chunk starts at a
+// checkpoint). The state-independent work per token (A0, M, T, T R', M Vn) grows with the chunk
+// length, the state step's products per token do not: at B1 T8K H4 on one Zen 4 core, chunks of
+// 32 tokens ran the op 7% faster than chunks of 64 with bf16 products and 8% with fp32 ones;
+// chunks of 16 were slower than 32 (docs/benchmarks.md, session 27).
+constexpr int64_t kFwdChunk = chunk::kC / 2;
 
 template <typename U>
 U* at_offset(U* p, int64_t off) {
@@ -133,7 +140,8 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   char* const store0 = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(store.data_ptr()) + 63) / 64 * 64);
   const T* s0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
-  constexpr int64_t C = chunk::kC;
+  // Checkpoints every C = kC tokens; the chunks themselves are kFwdChunk tokens.
+  constexpr int64_t C = chunk::kC, L = kFwdChunk;
 
   // A thread's workspace, with the results of item `item` of the wave; the thread's rows.
   auto thread_ws = [&]() {
@@ -162,7 +170,7 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
     for (int64_t n = 0; n < d.N; ++n) {
       for (int64_t t0 = rs[n]; t0 < re[n];) {
         cs[n].push_back(t0);
-        t0 = std::min(re[n], seqs.origin[n] + ((t0 - seqs.origin[n]) / C + 1) * C);
+        t0 = std::min(re[n], seqs.origin[n] + ((t0 - seqs.origin[n]) / L + 1) * L);
       }
     }
     // Chunk k of unit (n, hv): its length, and (with rows) its inputs, pre-processed into rows

@@ -560,7 +560,8 @@ KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, fl
   const ProductWork& p = w.prod;
   const int64_t ncol = product_cols(n);
   float* r = w.x + K;  // beta V (decays_and_am), then R', then Vn
-  pack_b(p, K, V, K, S, V, p.s);
+  // S packed, and S <- Diag(Gam_last) S in the same pass (the products read the packed S)
+  pack_b_scaled(p, K, V, S, V, w.gam + (n - 1) * K, p.s);
   // R' = beta V + (-beta Gam . K) S;  o = (Q . Gam) S
   gemm16(p, n, V, K, p.nkg, K, p.s, r, ld, /*add=*/true);
   gemm16(p, n, V, K, p.qg, K, p.s, o, ldo, /*add=*/false);
@@ -570,14 +571,7 @@ KDA_CLONES void state_step_bf16(const ChunkIn<float>& c, ChunkWork<float>& w, fl
   pack_b(p, ncol, V, n, r, ld, p.vn);
   // o += M Vn
   lower_product(p, n, V, ncol, p.m, kC, p.vn, o, ldo, /*add=*/true);
-  // S <- Diag(Gam_last) S + Kdec^T Vn
-  const float* gl = w.gam + (n - 1) * K;
-  for (int64_t d = 0; d < K; ++d) {
-    const float f = gl[d];
-    float* __restrict s = S + d * V;
-    KDA_IVDEP
-    for (int64_t e = 0; e < V; ++e) s[e] *= f;
-  }
+  // S <- (Diag(Gam_last) S, above) + Kdec^T Vn
   gemm16(p, K, V, ncol, p.kdecT, kC, p.vn, S, V, /*add=*/true);
 }
 

@@ -155,10 +155,26 @@ KDA_BF16_CONVERT void pack_pair_convert(const float* x0, const float* x1, uint32
     _mm512_mask_storeu_epi32(y + e, static_cast<__mmask16>((1u << m) - 1), w);
   }
 }
+
+KDA_BF16_CONVERT void pack_pair_scale_convert(float* x0, float* x1, float f0, float f1,
+                                              uint32_t* y, int64_t n) {
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  const __m512 s0 = _mm512_set1_ps(f0), s1 = _mm512_set1_ps(f1);
+  for (int64_t e = 0; e < n; e += 16) {
+    const __m512 a = _mm512_loadu_ps(x0 + e), b = _mm512_loadu_ps(x1 + e);
+    _mm512_storeu_si512(y + e, _mm512_permutexvar_epi16(
+                                   pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a))));
+    _mm512_storeu_ps(x0 + e, _mm512_mul_ps(a, s0));
+    _mm512_storeu_ps(x1 + e, _mm512_mul_ps(b, s1));
+  }
+}
 #else
 const bool kBf16Convert = false;
 void round_bf16_convert(const float*, uint16_t*, int64_t) {}
 void pack_pair_convert(const float*, const float*, uint32_t*, int64_t) {}
+void pack_pair_scale_convert(float*, float*, float, float, uint32_t*, int64_t) {}
 #endif
 
 KDA_CLONES void pack_b_rows(const ProductWork& p, int64_t Kd, int64_t N, int64_t r0, int64_t r1,
@@ -199,6 +215,44 @@ KDA_CLONES void pack_b_rows(const ProductWork& p, int64_t Kd, int64_t N, int64_t
         for (int64_t e = 0; e < width; ++e) y[e] = bf16_bits(x0[e0 + e]);
       } else {
         std::fill(y, y + width, 0u);
+      }
+    }
+  }
+}
+
+KDA_CLONES void pack_b_scaled(const ProductWork& p, int64_t Kd, int64_t N, float* src,
+                              int64_t lds, const float* scale, void* dst) {
+  if (p.mode == Products::kBf16Emulated) {
+    float* d = static_cast<float*>(dst);
+    for (int64_t r = 0; r < Kd; ++r) {
+      float* __restrict x = src + r * lds;
+      float* __restrict y = d + r * N;
+      const float f = scale[r];
+      for (int64_t e = 0; e < N; ++e) {
+        y[e] = static_cast<float>(at::BFloat16(x[e]));
+        x[e] *= f;
+      }
+    }
+    return;
+  }
+  uint32_t* const d = static_cast<uint32_t*>(dst);
+  for (int64_t e0 = 0; e0 < N; e0 += kBlockN) {
+    const int64_t width = std::min(kBlockN, N - e0);
+    uint32_t* const block = d + e0 * Kd / 2;
+    for (int64_t r = 0; r < Kd; r += 2) {
+      float* __restrict x0 = src + r * lds + e0;
+      float* __restrict x1 = x0 + lds;
+      uint32_t* __restrict y = block + (r / 2) * width;
+      if (kBf16Convert) {
+        pack_pair_scale_convert(x0, x1, scale[r], scale[r + 1], y, width);
+        continue;
+      }
+      const float f0 = scale[r], f1 = scale[r + 1];
+      KDA_IVDEP
+      for (int64_t e = 0; e < width; ++e) {
+        y[e] = bf16_bits(x0[e]) | (bf16_bits(x1[e]) << 16);
+        x0[e] *= f0;
+        x1[e] *= f1;
       }
     }
   }

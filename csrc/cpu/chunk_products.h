@@ -100,6 +100,11 @@ inline void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, co
   pack_b_rows(p, Kd, N, 0, Kd, rows, src, lds, dst);
 }
 
+// pack_b of all Kd rows of src (Kd and N multiples of 16) into dst, and src's row r multiplied by
+// scale[r] in place in the same pass (the state step's S packed, then Diag(Gam_last) S).
+void pack_b_scaled(const ProductWork& p, int64_t Kd, int64_t N, float* src, int64_t lds,
+                   const float* scale, void* dst);
+
 // C[M, N] (+)= A[M, Kd] B[Kd, N]: A bf16 row-major (stride lda), B from pack_b, fp32 C. B may
 // have been packed with more rows, kb (a multiple of 16, >= Kd): its first Kd rows are used.
 void gemm16(const ProductWork& p, int64_t M, int64_t N, int64_t Kd, const at::BFloat16* A,

@@ -74,10 +74,12 @@ KDA_ALWAYS_INLINE uint32_t bf16_bits(float x) {
 // hold one.
 // kBf16Convert: whether this CPU has it (read once at load). round_bf16_convert: y[e] =
 // bf16(x[e]), e < n. pack_pair_convert: y[e] = bf16(x0[e]) | bf16(x1[e]) << 16 (x1 null: 0),
-// e < n, the VNNI word of a row pair (chunk_products.h).
+// e < n, the VNNI word of a row pair (chunk_products.h). pack_pair_scale_convert: the same for
+// two rows of whole vectors (n a multiple of 16), which it then multiplies in place by f0 and f1.
 extern const bool kBf16Convert;
 void round_bf16_convert(const float* x, uint16_t* y, int64_t n);
 void pack_pair_convert(const float* x0, const float* x1, uint32_t* y, int64_t n);
+void pack_pair_scale_convert(float* x0, float* x1, float f0, float f1, uint32_t* y, int64_t n);
 
 // y[e] = bf16(x[e]) for e < n.
 KDA_ALWAYS_INLINE void round_bf16(const float* __restrict x, at::BFloat16* __restrict y, int64_t n) {

@@ -89,10 +89,11 @@ inline int64_t product_cols(int64_t n) { return (n + 15) / 16 * 16; }
 
 // Rows [r0, r1) of the B operand [Kd, N] of gemm16 (r0 even, r1 <= Kd; Kd and N multiples of
 // 16), rounded to bf16 from the fp32 rows src + (r - r0) lds for r < have, zero for r >= have,
-// written in the packed layout (kBf16: blocks of at most 64 columns, each [Kd / 2, width, 2],
-// pairs of rows as 32-bit words: the VNNI layout ATen's cpublas::pack makes for brgemm, written
-// in the rounding pass instead of rounding, then packing) or as rounded fp32 rows
-// (kBf16Emulated). A whole operand is pack_b; a row pair at a time suits rows made one by one.
+// written in the packed layout (kBf16: blocks of at most 64 columns with AMX, else 128, each
+// [Kd / 2, width, 2], pairs of rows as 32-bit words: the VNNI layout ATen's cpublas::pack makes
+// for brgemm, written in the rounding pass instead of rounding, then packing) or as rounded fp32
+// rows (kBf16Emulated). A whole operand is pack_b; a row pair at a time suits rows made one by
+// one.
 void pack_b_rows(const ProductWork& p, int64_t Kd, int64_t N, int64_t r0, int64_t r1,
                  int64_t have, const float* src, int64_t lds, void* dst);
 inline void pack_b(const ProductWork& p, int64_t Kd, int64_t N, int64_t rows, const float* src,

@@ -2,7 +2,8 @@
 // with Products::kBf16: AMX, or AVX-512 BF16 dot products through ATen's cpublas::brgemm) against
 // their emulation (kBf16Emulated: the same bf16 operands widened, the fp32 GEMM) and a float64
 // product of the same rounded operands, on the shapes the chunk kernels use: M up to 64 rows, N in
-// column blocks of 64 and a shorter last one, Kd = K, the chunk's columns, or K + V. A product of
+// column blocks (64 with AMX, else 128) and a shorter last one, Kd = K, the chunk's columns, or
+// K + V, and B packed with more rows than the product reads (lower_product's row blocks). A product of
 // two bf16 numbers is exact in fp32, so the two paths differ only by the order of their fp32 sums.
 // On a CPU without such hardware the test checks that the knob's bf16 falls back to the emulation.
 #include "cpu/chunk_products.h"
@@ -23,6 +24,8 @@ namespace chunk = kda::detail::chunk;
 
 struct Product {
   int64_t M, N, Kd;
+  int64_t kb = 0;  // the rows B is packed with (0: Kd); the product reads the first Kd
+  int64_t rows() const { return kb ? kb : Kd; }
 };
 
 // C = A B for one path (pack_b lays B out as that path reads it).
@@ -32,10 +35,11 @@ std::vector<float> run(chunk::Products mode, const Product& s, const std::vector
   p.mode = mode;
   std::vector<float> fa(s.M * s.Kd);  // the emulation's widened A rows
   p.fa = fa.data();
-  std::vector<float> packed(s.Kd * s.N);  // fp32 rows (emulated) or 32-bit VNNI words
-  chunk::pack_b(p, s.Kd, s.N, s.Kd, b.data(), s.N, packed.data());
+  std::vector<float> packed(s.rows() * s.N);  // fp32 rows (emulated) or 32-bit VNNI words
+  chunk::pack_b(p, s.rows(), s.N, s.rows(), b.data(), s.N, packed.data());
   std::vector<float> c(s.M * s.N, 1.0f);
-  chunk::gemm16(p, s.M, s.N, s.Kd, a.data(), s.Kd, packed.data(), c.data(), s.N, /*add=*/false);
+  chunk::gemm16(p, s.M, s.N, s.Kd, a.data(), s.Kd, packed.data(), c.data(), s.N, /*add=*/false,
+                s.rows());
   at::native::cpublas::brgemm_release(mode == chunk::Products::kBf16);
   return c;
 }
@@ -55,11 +59,12 @@ TEST(Bf16Products, HardwareMatchesEmulationAndFloat64) {
   EXPECT_EQ(chunk::choose_products(at::kBFloat16, 128, 128, "test: "), chunk::Products::kBf16);
   std::mt19937 gen(20261207);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  const Product shapes[] = {{64, 128, 128}, {64, 256, 64}, {37, 128, 128}, {16, 80, 48},
-                            {64, 64, 256}};
+  const Product shapes[] = {{64, 128, 128},    {64, 256, 64},      {37, 128, 128},
+                            {16, 80, 48},      {64, 64, 256},      {37, 208, 128},
+                            {16, 128, 16, 32}, {16, 208, 48, 64}, {32, 256, 32, 64}};
   for (const Product& s : shapes) {
     std::vector<at::BFloat16> a(s.M * s.Kd);
-    std::vector<float> b(s.Kd * s.N);
+    std::vector<float> b(s.rows() * s.N);
     for (auto& x : a) x = at::BFloat16(normal(gen));
     for (auto& x : b) x = static_cast<float>(at::BFloat16(normal(gen)));  // exact in bf16
     const std::vector<float> hw = run(chunk::Products::kBf16, s, a, b);

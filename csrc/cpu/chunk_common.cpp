@@ -433,12 +433,14 @@ KDA_ALWAYS_INLINE void inverse_bf16(const ChunkIn<float>& c, ChunkWork<float>& w
   const int64_t ncol = product_cols(n);
   // T row by row, T_i = e_i + sum_{j<i} na_ij T_j (na = -A), rows of kC columns (T_j is zero
   // past column j), written over na: row i of na is read before row i of T replaces it. Two
-  // partial sums (even and odd j) halve the chain of dependent additions.
+  // partial sums (even and odd j) halve the chain of dependent additions. Row i is computed over
+  // the vectors up to its column i and zeroed past them, up to ncol.
   float* t = w.na;
   for (int64_t i = 0; i < n; ++i) {
     float* __restrict ti = t + i * kC;
 #if defined(KDA_HAVE_VEC16)
     constexpr int64_t nv = kC / 16;
+    const int64_t live = i / 16 + 1, zero = ncol / 16;
     v16sf a[nv] = {}, b[nv] = {};
     int64_t j = 0;
     for (; j + 1 < i; j += 2) {
@@ -446,17 +448,27 @@ KDA_ALWAYS_INLINE void inverse_bf16(const ChunkIn<float>& c, ChunkWork<float>& w
       const v16sf* t0 = reinterpret_cast<const v16sf*>(t + j * kC);
       const v16sf* t1 = reinterpret_cast<const v16sf*>(t + (j + 1) * kC);
       for (int64_t v = 0; v < nv; ++v) {
-        a[v] += s0 * t0[v];
-        b[v] += s1 * t1[v];
+        if (v < live) {
+          a[v] += s0 * t0[v];
+          b[v] += s1 * t1[v];
+        }
       }
     }
     if (j < i) {
       const float s0 = ti[j];
       const v16sf* t0 = reinterpret_cast<const v16sf*>(t + j * kC);
-      for (int64_t v = 0; v < nv; ++v) a[v] += s0 * t0[v];
+      for (int64_t v = 0; v < nv; ++v) {
+        if (v < live) a[v] += s0 * t0[v];
+      }
     }
     v16sf* out = reinterpret_cast<v16sf*>(ti);
-    for (int64_t v = 0; v < nv; ++v) out[v] = a[v] + b[v];
+    for (int64_t v = 0; v < nv; ++v) {
+      if (v < live) {
+        out[v] = a[v] + b[v];
+      } else if (v < zero) {
+        out[v] = v16sf{};
+      }
+    }
 #else
     float a[kC] = {};
     for (int64_t j = 0; j < i; ++j) {

@@ -28,9 +28,18 @@ namespace {
 // makes for its tiles); 128 on AVX-512 BF16 alone, where one call per 128 columns instead of two
 // ran the bf16 chunk forward ~1% faster on a Zen 4 core (B1 T8K H4, bitwise equal results).
 int64_t block_n() {
-  static const int64_t n = at::native::cpublas::could_pack(at::kBFloat16) ? 64 : 128;
+  static const int64_t n = amx_tiles() ? 64 : 128;
   return n;
 }
+
+}  // namespace
+
+bool amx_tiles() {
+  static const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
+  return amx;
+}
+
+namespace {
 
 // The value of TORCH_KDA_CHUNK_PRODUCTS (auto when unset or empty), checked.
 std::string products_knob(const char* op) {
@@ -56,7 +65,7 @@ std::string products_knob(const char* op) {
 // ATen's brgemm reads it.
 bool bf16_products_in_hardware() {
   if (!at::globalContext().userEnabledMkldnn()) return false;
-  if (at::native::cpublas::could_pack(at::kBFloat16)) return true;
+  if (amx_tiles()) return true;
   static const bool vnni_dot = [] {
     if (!kBf16Convert) return false;
     constexpr int64_t n = 32;

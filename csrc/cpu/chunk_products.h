@@ -43,6 +43,12 @@ enum class Products {
   kBf16Emulated,  // the same numerics through the fp32 GEMM
 };
 
+// Whether this CPU has AMX tiles for bf16 products (ATen packs bf16 operands itself:
+// cpublas::could_pack). Where it does, each product call costs more set-up (tile configurations)
+// and the chunk forward keeps fewer, larger products (chunks of 64 tokens, lower_product in one
+// call: chunk_common.cpp, chunk_fwd.cpp).
+bool amx_tiles();
+
 // Whether ATen's cpublas::brgemm runs bf16 products on this CPU's own bf16 hardware for B
 // operands laid out by pack_b: AMX, or AVX-512 BF16 dot products (probed once per process), with
 // oneDNN enabled (chunk_products.cpp).

@@ -204,7 +204,8 @@ def fused_recurrent_fast(q, k, v, g, beta, scale, initial_state, output_final_st
 
 def chunk(x: KDAInputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run checked inputs through ``torch.ops.kda.chunk`` (CPU, chunkwise form with matrix
-    products, chunks of 64 tokens; same results as :func:`fused_recurrent` to rounding)."""
+    products, chunks of 32 tokens, 64 with AMX; same results as :func:`fused_recurrent` to
+    rounding)."""
     return _run(torch.ops.kda.chunk, x)
 
 

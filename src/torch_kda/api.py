@@ -282,7 +282,8 @@ def chunk_kda(
 
     The ``"reference"`` backend runs the chunkwise form (docs/math.md "Chunkwise form"; Kimi Linear
     report Eq. 10); ``"native"`` runs the C++ chunkwise kernel ``torch.ops.kda.chunk`` (matrix
-    products over chunks of 64 tokens, fp32 products and accumulation, fp64 for fp64 inputs; for
+    products over chunks of 32 tokens, 64 on CPUs with AMX, fp32 products and accumulation, fp64
+    for fp64 inputs; for
     bf16 inputs the state products (forward and backward) take bf16 operands with fp32
     accumulation on CPUs with AMX or AVX-512 BF16, as FLA's kernels do: about 0.8x the error of
     FLA's own chunk kernel on the same inputs, within FLA's bar of 0.005 relative RMS at FLA's
@@ -296,8 +297,9 @@ def chunk_kda(
     ``TORCH_KDA_CHUNK_PRODUCTS=auto|fp32|bf16`` chooses, ``fp32`` keeps fp32 products,
     docs/math.md "Chunkwise form"; otherwise the same result as the recurrent kernel to
     rounding); ``"fla"`` calls FLA's Triton kernels. The native
-    kernel always uses chunks of 64 tokens: ``chunk_size`` changes only the reference's chunk
-    length and the spacing of ``return_intermediate_states``, never the native result.
+    kernel's chunks are fixed (checkpoints every 64 tokens): ``chunk_size`` changes only the
+    reference's chunk length and the spacing of ``return_intermediate_states``, never the native
+    result.
     ``"auto"`` on CPU runs the recurrent kernel unless ``TORCH_KDA_CHUNK_PRODUCTS=bf16`` asks
     for those bf16 products; then it runs the native chunkwise kernel where it is measured faster
     than the recurrent one (bf16 inputs on CPUs with AMX or AVX-512 BF16, no gradient recorded,

@@ -1,6 +1,7 @@
 // GoogleTest suite for the native KDA ops, through the public C++ API (kda/kda.h): every oracle
-// test runs for both forms, kda::fused_recurrent and kda::chunk (chunks of 64 tokens; the shapes
-// below cross chunk boundaries and include sequences shorter than one chunk).
+// test runs for both forms, kda::fused_recurrent and kda::chunk (forward chunks of 32 tokens,
+// 64 with AMX; checkpoints and backward chunks of 64; the shapes below cross chunk boundaries
+// and include sequences shorter than one chunk).
 // The oracle is a naive per-token loop written with ATen ops (differentiable, float64).
 #include <kda/kda.h>
 

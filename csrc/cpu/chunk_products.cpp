@@ -191,6 +191,26 @@ void pack_pair_convert(const float*, const float*, uint32_t*, int64_t) {}
 void pack_pair_scale_convert(float*, float*, float, float, uint32_t*, int64_t) {}
 #endif
 
+namespace {
+
+// f(r, e0, width, y) for every row pair (r, r + 1), r in [r0, r1), and column block
+// [e0, e0 + width) of a packed B operand [Kd, N] at dst, y the pair's words in that block: word
+// (r / 2) * width + e of a block holds bf16(row r, column e0 + e) in its low half and
+// bf16(row r + 1, ...) in its high half.
+template <typename F>
+KDA_ALWAYS_INLINE void for_each_packed_pair(int64_t Kd, int64_t N, int64_t r0, int64_t r1,
+                                            void* dst, F&& f) {
+  uint32_t* const d = static_cast<uint32_t*>(dst);
+  const int64_t bn = block_n();
+  for (int64_t e0 = 0; e0 < N; e0 += bn) {
+    const int64_t width = std::min(bn, N - e0);
+    uint32_t* const block = d + e0 * Kd / 2;
+    for (int64_t r = r0; r < r1; r += 2) f(r, e0, width, block + (r / 2) * width);
+  }
+}
+
+}  // namespace
+
 KDA_CLONES void pack_b_rows(const ProductWork& p, int64_t Kd, int64_t N, int64_t r0, int64_t r1,
                             int64_t have, const float* src, int64_t lds, void* dst) {
   auto row = [&](int64_t r) { return r < have ? src + (r - r0) * lds : nullptr; };
@@ -207,32 +227,24 @@ KDA_CLONES void pack_b_rows(const ProductWork& p, int64_t Kd, int64_t N, int64_t
     }
     return;
   }
-  // Word (r / 2) * width + e of a block holds bf16(row r, column e0 + e) in its low half and
-  // bf16(row r + 1, ...) in its high half.
-  uint32_t* const d = static_cast<uint32_t*>(dst);
-  const int64_t bn = block_n();
-  for (int64_t e0 = 0; e0 < N; e0 += bn) {
-    const int64_t width = std::min(bn, N - e0);
-    uint32_t* const block = d + e0 * Kd / 2;
-    for (int64_t r = r0; r < r1; r += 2) {
-      const float* __restrict x0 = row(r);
-      const float* __restrict x1 = row(r + 1);
-      uint32_t* __restrict y = block + (r / 2) * width;
-      if (kBf16Convert && x0) {
-        pack_pair_convert(x0 + e0, x1 ? x1 + e0 : nullptr, y, width);
-      } else if (x1) {
-        KDA_IVDEP
-        for (int64_t e = 0; e < width; ++e) {
-          y[e] = bf16_bits(x0[e0 + e]) | (bf16_bits(x1[e0 + e]) << 16);
-        }
-      } else if (x0) {
-        KDA_IVDEP
-        for (int64_t e = 0; e < width; ++e) y[e] = bf16_bits(x0[e0 + e]);
-      } else {
-        std::fill(y, y + width, 0u);
+  for_each_packed_pair(Kd, N, r0, r1, dst, [&](int64_t r, int64_t e0, int64_t width,
+                                                uint32_t* __restrict y) {
+    const float* __restrict x0 = row(r);
+    const float* __restrict x1 = row(r + 1);
+    if (kBf16Convert && x0) {
+      pack_pair_convert(x0 + e0, x1 ? x1 + e0 : nullptr, y, width);
+    } else if (x1) {
+      KDA_IVDEP
+      for (int64_t e = 0; e < width; ++e) {
+        y[e] = bf16_bits(x0[e0 + e]) | (bf16_bits(x1[e0 + e]) << 16);
       }
+    } else if (x0) {
+      KDA_IVDEP
+      for (int64_t e = 0; e < width; ++e) y[e] = bf16_bits(x0[e0 + e]);
+    } else {
+      std::fill(y, y + width, 0u);
     }
-  }
+  });
 }
 
 KDA_CLONES void pack_b_scaled(const ProductWork& p, int64_t Kd, int64_t N, float* src,
@@ -250,28 +262,22 @@ KDA_CLONES void pack_b_scaled(const ProductWork& p, int64_t Kd, int64_t N, float
     }
     return;
   }
-  uint32_t* const d = static_cast<uint32_t*>(dst);
-  const int64_t bn = block_n();
-  for (int64_t e0 = 0; e0 < N; e0 += bn) {
-    const int64_t width = std::min(bn, N - e0);
-    uint32_t* const block = d + e0 * Kd / 2;
-    for (int64_t r = 0; r < Kd; r += 2) {
-      float* __restrict x0 = src + r * lds + e0;
-      float* __restrict x1 = x0 + lds;
-      uint32_t* __restrict y = block + (r / 2) * width;
-      if (kBf16Convert) {
-        pack_pair_scale_convert(x0, x1, scale[r], scale[r + 1], y, width);
-        continue;
-      }
-      const float f0 = scale[r], f1 = scale[r + 1];
-      KDA_IVDEP
-      for (int64_t e = 0; e < width; ++e) {
-        y[e] = bf16_bits(x0[e]) | (bf16_bits(x1[e]) << 16);
-        x0[e] *= f0;
-        x1[e] *= f1;
-      }
+  for_each_packed_pair(Kd, N, 0, Kd, dst, [&](int64_t r, int64_t e0, int64_t width,
+                                              uint32_t* __restrict y) {
+    float* __restrict x0 = src + r * lds + e0;
+    float* __restrict x1 = x0 + lds;
+    const float f0 = scale[r], f1 = scale[r + 1];
+    if (kBf16Convert) {
+      pack_pair_scale_convert(x0, x1, f0, f1, y, width);
+      return;
     }
-  }
+    KDA_IVDEP
+    for (int64_t e = 0; e < width; ++e) {
+      y[e] = bf16_bits(x0[e]) | (bf16_bits(x1[e]) << 16);
+      x0[e] *= f0;
+      x1[e] *= f1;
+    }
+  });
 }
 
 void gemm16(const ProductWork& p, int64_t M, int64_t N, int64_t Kd, const at::BFloat16* A,

@@ -1,13 +1,14 @@
 """bf16 products of the native chunk forward and backward (csrc/cpu/chunk_products.h).
 
-With ``TORCH_KDA_CHUNK_PRODUCTS=bf16`` the chunk forward's state products (Vn = U - W S,
-o = (Q . Gam) S + M Vn, S += Kdec^T Vn) and its W/U solve ([-W | U] = (I + A)^-1 R) take bf16
+With ``TORCH_KDA_CHUNK_PRODUCTS=bf16`` the chunk forward's state products (R' = beta V -
+(beta Gam . K) S, Vn = (I + A)^-1 R', o = (Q . Gam) S + M Vn, S += Kdec^T Vn) take bf16
 operands with fp32 accumulation for bf16 / fp16 inputs (so do the chunk backward's products, all
 but the two with the gradient w.r.t. the state leaving a chunk): AMX or AVX-512 BF16 through
 ATen's brgemm where the CPU has them, else an emulation with the same numerics (the path these
 tests take on a CPU without bf16 product hardware). Checked: FLA's accuracy bar (output 0.005,
 gradients 0.008 relative RMS) over the feature grid and strong decays, bitwise determinism across
-thread counts, fp32 inputs untouched, head sizes the products do not take, and the knob's errors;
+thread counts, fp32 inputs untouched, head sizes the products do not take, both product shapes
+(TORCH_KDA_CHUNK_SHAPES: AMX's and the others', on any CPU), and the knobs' errors;
 the backward's bf16 products (the forward's choice: under auto on CPUs with bf16 product hardware
 for bf16 inputs)
 against FLA's gradient bar (0.008), with strong decays, bitwise across thread counts, and
@@ -261,6 +262,45 @@ def test_head_sizes_off_16_keep_fp32_products(monkeypatch):
     o, s = chunk(p, "bf16", monkeypatch)
     o_n, s_n = chunk(p, "fp32", monkeypatch)
     assert torch.equal(o, o_n) and torch.equal(s, s_n)
+
+
+SHAPES = "TORCH_KDA_CHUNK_SHAPES"
+
+
+@pytest.mark.parametrize("shapes", ["amx", "blocked"])
+@pytest.mark.parametrize("kind", ["features", "strong"])
+def test_both_product_shapes_meet_fla_ratio(shapes, kind, monkeypatch):
+    # The AMX shapes (64-token chunks, one product per triangular factor) and the others (32-token
+    # chunks, row blocks) on any CPU: both meet FLA's bar, with the same checkpoints to rounding,
+    # and bitwise across thread counts.
+    if kind == "strong":
+        p = _strong("strong").to(torch.bfloat16)
+    else:
+        p = make_problem(B=2, T=150, H=2, HV=4, K=32, V=48, gate="softplus",
+                         state_v_first=True, seqlens=SEQLENS, seed=41).to(torch.bfloat16)
+    monkeypatch.setenv(KNOB, "bf16")
+    monkeypatch.setenv(SHAPES, shapes)
+    o, s, ckpt = torch.ops.kda.chunk_fwd(*op_args(p))
+    o_or, s_or = rounded_oracle(p)
+    assert rel_err(o, o_or) <= 0.005 and rel_err(s, s_or) <= 0.005
+    other = "blocked" if shapes == "amx" else "amx"
+    monkeypatch.setenv(SHAPES, other)
+    o2, s2, ckpt2 = torch.ops.kda.chunk_fwd(*op_args(p))
+    assert not torch.equal(o, o2)  # the other shapes ran
+    assert rel_err(o, o2) <= 0.005 and rel_err(ckpt, ckpt2) <= 0.005
+    monkeypatch.setenv(SHAPES, shapes)
+    results = per_thread_count(lambda: torch.ops.kda.chunk_fwd(*op_args(p)))
+    for other_run in results[1:]:
+        for a, b in zip(results[0], other_run):
+            assert torch.equal(a, b)
+
+
+def test_unknown_shapes_value_names_the_variable(monkeypatch):
+    p = make_problem(B=1, T=10, H=1, K=16, V=16, seed=8).to(torch.bfloat16)
+    monkeypatch.setenv(SHAPES, "square")
+    with pytest.raises(ValueError, match=f"kda::chunk: {SHAPES} must be auto, amx or blocked, "
+                                           "got 'square'"):
+        torch.ops.kda.chunk(*op_args(p))
 
 
 def test_unknown_knob_value_names_the_variable(monkeypatch):

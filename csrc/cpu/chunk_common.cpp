@@ -416,12 +416,13 @@ namespace {
 // C[n, N] (+)= L[n, ncol] B[ncol, N] for L lower triangular (T or M: row i zero past column i)
 // and B packed with ncol rows: in row blocks of kSub, each over the columns up to its last
 // row only (at n = 64, 5/8 of one product over all columns; 4 us less per chunk on a Zen 4 core).
-// With AMX one product over all columns: there the extra calls cost more than the zeros they skip
-// (the op 3-10% slower on the 16-core Xeon host, docs/benchmarks.md session 27).
+// With AMX (p.whole, amx_shapes) one product over all columns: there the extra calls cost more
+// than the zeros they skip (the op 3-10% slower on the 16-core Xeon host, docs/benchmarks.md
+// session 27).
 KDA_ALWAYS_INLINE void lower_product(const ProductWork& p, int64_t n, int64_t N, int64_t ncol,
                                      const at::BFloat16* L, int64_t ldl, const void* B, float* C,
                                      int64_t ldc, bool add) {
-  if (amx_tiles()) {
+  if (p.whole) {
     gemm16(p, n, N, ncol, L, ldl, B, C, ldc, add);
     return;
   }

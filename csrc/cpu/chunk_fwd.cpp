@@ -1,11 +1,11 @@
 // CPU forward of the chunkwise KDA (docs/math.md, "Chunkwise form"): the token blocks of the
-// recurrent forward (run_fwd_blocked), and in each block the chunks of fwd_chunk() tokens of every
+// recurrent forward (run_fwd_blocked), and in each block the chunks of fwd_chunk(amx) tokens of every
 // (sequence, value head) unit through the shared pieces of csrc/cpu/chunk_common.h: in waves of
 // a few chunks per unit, the state-independent part of every chunk in parallel (each chunk
 // pre-processes its own rows of one head with the recurrent forward's pass, then chunk_intra),
 // and each unit's state steps in chunk order as soon as its chunks' parts are done.
 //
-// Chunks start at origin + c * fwd_chunk(), the recurrent forward's checkpoint interval kChunk
+// Chunks start at origin + c * fwd_chunk(amx), the recurrent forward's checkpoint interval kChunk
 // or half of it, so every chunk or every other one starts at a checkpoint (a sequence of a
 // varlen batch that starts inside a chunk has a shorter first chunk), and the checkpoints
 // [n_slots, HV, K, V] hold exactly what kda::fused_recurrent_fwd stores there: either backward
@@ -41,12 +41,13 @@ struct ChunkRows {
 };
 
 // The forward's chunk length: half the checkpoint interval kC (every other chunk starts at a
-// checkpoint), or kC on CPUs with AMX. The state-independent work per token (A0, M, T, T R',
-// M Vn) grows with the chunk length, the state step's products per token do not: at B1 T8K H4 on
-// one Zen 4 core, chunks of 32 tokens ran the op 7% faster than chunks of 64 with bf16 products
-// and 8% with fp32 ones (chunks of 16 were slower than 32); on the AMX Xeon host, where every
-// product call costs more set-up, 3-10% slower (docs/benchmarks.md, session 27).
-int64_t fwd_chunk() { return chunk::amx_tiles() ? chunk::kC : chunk::kC / 2; }
+// checkpoint), or kC with the AMX shapes (chunk::amx_shapes). The state-independent work per
+// token (A0, M, T, T R', M Vn) grows with the chunk length, the state step's products per token
+// do not: at B1 T8K H4 on one Zen 4 core, chunks of 32 tokens ran the op 7% faster than chunks
+// of 64 with bf16 products and 8% with fp32 ones (chunks of 16 were slower than 32); on the AMX
+// Xeon host, where every product call costs more set-up, 3-10% slower (docs/benchmarks.md,
+// session 27).
+int64_t fwd_chunk(bool amx) { return amx ? chunk::kC : chunk::kC / 2; }
 
 template <typename U>
 U* at_offset(U* p, int64_t off) {
@@ -109,9 +110,13 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
       : chunk::Products::kNative;
   const bool bf16 = products != chunk::Products::kNative;
   // A thread's workspace: the ChunkWork parts, then (bf16 products) the ProductWork parts.
+  const bool amx = chunk::amx_shapes(cfg.op);
   auto thread_work = [&](Carver& c) {
     chunk::ChunkWork<T> w(c, K, V);
-    if (bf16) w.prod = chunk::ProductWork(products, c, K, V);
+    if (bf16) {
+      w.prod = chunk::ProductWork(products, c, K, V);
+      w.prod.whole = amx;
+    }
     return w;
   };
   Carver sizer(nullptr);  // carves no memory: the parts stay null, only the sizes count
@@ -142,9 +147,9 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
   char* const store0 = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(store.data_ptr()) + 63) / 64 * 64);
   const T* s0 = h0.defined() ? h0.data_ptr<T>() : nullptr;
-  // Checkpoints every C = kC tokens; the chunks themselves are L = fwd_chunk() tokens.
+  // Checkpoints every C = kC tokens; the chunks themselves are L = fwd_chunk(amx) tokens.
   constexpr int64_t C = chunk::kC;
-  const int64_t L = fwd_chunk();
+  const int64_t L = fwd_chunk(amx);
 
   // A thread's workspace, with the results of item `item` of the wave; the thread's rows.
   auto thread_ws = [&]() {

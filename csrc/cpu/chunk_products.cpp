@@ -39,6 +39,14 @@ bool amx_tiles() {
   return amx;
 }
 
+bool amx_shapes(const char* op) {
+  const char* env = std::getenv("TORCH_KDA_CHUNK_SHAPES");
+  const std::string knob = env && *env ? env : "auto";
+  KDA_CHECK_VALUE(knob == "auto" || knob == "amx" || knob == "blocked", op,
+                  "TORCH_KDA_CHUNK_SHAPES must be auto, amx or blocked, got '", knob, "'");
+  return knob == "auto" ? amx_tiles() : knob == "amx";
+}
+
 namespace {
 
 // The value of TORCH_KDA_CHUNK_PRODUCTS (auto when unset or empty), checked.

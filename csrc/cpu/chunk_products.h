@@ -44,10 +44,17 @@ enum class Products {
 };
 
 // Whether this CPU has AMX tiles for bf16 products (ATen packs bf16 operands itself:
-// cpublas::could_pack). Where it does, each product call costs more set-up (tile configurations)
-// and the chunk forward keeps fewer, larger products (chunks of 64 tokens, lower_product in one
-// call: chunk_common.cpp, chunk_fwd.cpp).
+// cpublas::could_pack).
 bool amx_tiles();
+
+// The shapes of the chunk forward's products: with AMX, where each product call costs more
+// set-up (tile configurations), chunks of 64 tokens and one product per lower triangular factor;
+// elsewhere chunks of 32 tokens and the triangular products in row blocks (chunk_fwd.cpp,
+// lower_product in chunk_common.cpp). Reads TORCH_KDA_CHUNK_SHAPES at each call: auto (default:
+// by amx_tiles()), amx or blocked (either shapes on any CPU, the same results to rounding: for
+// tests of the other CPUs' path); an unknown value raises c10::Error naming it (`op` prefixes
+// it).
+bool amx_shapes(const char* op);
 
 // Whether ATen's cpublas::brgemm runs bf16 products on this CPU's own bf16 hardware for B
 // operands laid out by pack_b: AMX, or AVX-512 BF16 dot products (probed once per process), with
@@ -80,6 +87,7 @@ Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char*
 //   fa              [max(K, kC), max(K, kC)] fp32 (emulation: an A operand widened)
 struct ProductWork {
   Products mode = Products::kNative;
+  bool whole = amx_tiles();  // one product per lower triangular factor (amx_shapes)
   at::BFloat16 *qg = nullptr, *kdecT = nullptr, *nkg = nullptr, *m = nullptr, *tinv = nullptr;
   void *s = nullptr, *vn = nullptr, *rhs = nullptr;
   float* fa = nullptr;

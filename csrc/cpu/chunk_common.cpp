@@ -542,8 +542,12 @@ KDA_CLONES void forward_solve(const ChunkIn<T>& c, ChunkWork<T>& w) {
   if constexpr (std::is_same_v<T, float>) {
     if (w.prod.mode != Products::kNative) {
       inverse_bf16(c, w);
+      // M's rows as the state step's operand (decays_and_am zeroed its columns past n up to
+      // product_cols(n))
       const int64_t ncol = product_cols(c.n);
-      for (int64_t i = 0; i < c.n; ++i) round_bf16(w.am + (2 * i + 1) * kC, w.prod.m + i * kC, ncol);
+      for (int64_t i = 0; i < c.n; ++i) {
+        round_bf16(w.am + (2 * i + 1) * kC, w.prod.m + i * kC, ncol);
+      }
       return;
     }
   }

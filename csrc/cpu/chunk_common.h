@@ -135,8 +135,9 @@ struct ChunkWork {
 };
 
 // The results of chunk_intra that state_step reads (gam, qg, kdecT, am, x; with bf16 products
-// prod.qg, prod.kdecT, prod.nkg, prod.tinv and prod.m instead of qg, kdecT and am), kept per chunk so that the state-independent
-// part of many chunks can run in parallel before their state steps (csrc/cpu/chunk_fwd.cpp):
+// prod.qg, prod.kdecT, prod.nkg, prod.tinv and prod.m instead of qg, kdecT and am), kept per
+// chunk so that the state-independent part of many chunks can run in parallel before their
+// state steps (csrc/cpu/chunk_fwd.cpp):
 // w's result parts pointed at one chunk's store, taken from `store`; carving no memory counts
 // the bytes of one chunk's results.
 template <typename T>

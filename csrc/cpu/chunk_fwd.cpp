@@ -1,7 +1,7 @@
 // CPU forward of the chunkwise KDA (docs/math.md, "Chunkwise form"): the token blocks of the
-// recurrent forward (run_fwd_blocked), and in each block the chunks of fwd_chunk(amx) tokens of every
-// (sequence, value head) unit through the shared pieces of csrc/cpu/chunk_common.h: in waves of
-// a few chunks per unit, the state-independent part of every chunk in parallel (each chunk
+// recurrent forward (run_fwd_blocked), and in each block the chunks of fwd_chunk(amx) tokens of
+// every (sequence, value head) unit through the shared pieces of csrc/cpu/chunk_common.h: in
+// waves of a few chunks per unit, the state-independent part of every chunk in parallel (each chunk
 // pre-processes its own rows of one head with the recurrent forward's pass, then chunk_intra),
 // and each unit's state steps in chunk order as soon as its chunks' parts are done.
 //
@@ -109,8 +109,8 @@ void run_chunks(const Inputs& in, const Config& cfg, const Dims& d, const Sequen
       ? chunk::choose_products(in.q.scalar_type(), K, V, cfg.op)
       : chunk::Products::kNative;
   const bool bf16 = products != chunk::Products::kNative;
+  const bool amx = chunk::amx_shapes(cfg.op);  // the product shapes (chunk_products.h)
   // A thread's workspace: the ChunkWork parts, then (bf16 products) the ProductWork parts.
-  const bool amx = chunk::amx_shapes(cfg.op);
   auto thread_work = [&](Carver& c) {
     chunk::ChunkWork<T> w(c, K, V);
     if (bf16) {

@@ -5,9 +5,10 @@
 // For bf16 / fp16 INPUTS these may run with bf16 operands and fp32 accumulation (the matrix
 // engines of server CPUs: AMX tiles, or AVX-512 BF16 dot products, through ATen's
 // cpublas::brgemm (oneDNN) on VNNI-packed B operands). The forward then applies T to the
-// state's part of the right-hand side instead (state_step_bf16): Vn = T (beta V - (beta Gam . K) S),
-// the same Vn with one product less. The running state, beta V and the outputs stay fp32;
-// S, Vn, T and R are rounded to bf16 only as product operands (FLA's chunk kernels do the same).
+// state's part of the right-hand side instead (state_step_bf16):
+// Vn = T (beta V - (beta Gam . K) S), the same Vn with one product less. The running state,
+// beta V and the outputs stay fp32; S, Vn, R', T, M and R are rounded to bf16 only as product
+// operands (FLA's chunk kernels do the same).
 // fp32 / fp64 inputs always keep fp32 / fp64 products. The chunk backward (chunk_bwd.cpp) has
 // bf16 products of the same kind, chosen by the same rule.
 //

@@ -3,8 +3,9 @@
 // their emulation (kBf16Emulated: the same bf16 operands widened, the fp32 GEMM) and a float64
 // product of the same rounded operands, on the shapes the chunk kernels use: M up to 64 rows, N in
 // column blocks (64 with AMX, else 128) and a shorter last one, Kd = K, the chunk's columns, or
-// K + V, and B packed with more rows than the product reads (lower_product's row blocks). A product of
-// two bf16 numbers is exact in fp32, so the two paths differ only by the order of their fp32 sums.
+// K + V, and B packed with more rows than the product reads (lower_product's row blocks). A
+// product of two bf16 numbers is exact in fp32, so the two paths differ only by the order of
+// their fp32 sums.
 // On a CPU without such hardware the test checks that the knob's bf16 falls back to the emulation.
 #include "cpu/chunk_products.h"
 

@@ -160,34 +160,32 @@ KDA_BF16_CONVERT void round_bf16_convert(const float* x, uint16_t* y, int64_t n)
   }
 }
 
-KDA_BF16_CONVERT void pack_pair_convert(const float* x0, const float* x1, uint32_t* y,
-                                        int64_t n) {
-  // cvtne2ps(b, a) holds bf16(a) in words 0-15 and bf16(b) in 16-31; the permutation interleaves
-  // them (word 2e = a[e], 2e + 1 = b[e]).
+// The VNNI words of two rows' 16 floats: cvtne2ps(b, a) holds bf16(a) in words 0-15 and bf16(b)
+// in 16-31; the permutation interleaves them (word 2e = a[e], 2e + 1 = b[e]).
+KDA_BF16_CONVERT inline __m512i pair_words(__m512 a, __m512 b) {
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);
+  return _mm512_permutexvar_epi16(pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
+}
+
+KDA_BF16_CONVERT void pack_pair_convert(const float* x0, const float* x1, uint32_t* y,
+                                        int64_t n) {
   for (int64_t e = 0; e < n; e += 16) {
     const int64_t m = std::min<int64_t>(16, n - e);
     const __m512 a = m == 16 ? _mm512_loadu_ps(x0 + e) : load_first(x0 + e, m);
     const __m512 b = !x1 ? _mm512_setzero_ps()
                          : (m == 16 ? _mm512_loadu_ps(x1 + e) : load_first(x1 + e, m));
-    const __m512i w = _mm512_permutexvar_epi16(
-        pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
-    _mm512_mask_storeu_epi32(y + e, static_cast<__mmask16>((1u << m) - 1), w);
+    _mm512_mask_storeu_epi32(y + e, static_cast<__mmask16>((1u << m) - 1), pair_words(a, b));
   }
 }
 
 KDA_BF16_CONVERT void pack_pair_scale_convert(float* x0, float* x1, float f0, float f1,
                                               uint32_t* y, int64_t n) {
-  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                         16, 0);
   const __m512 s0 = _mm512_set1_ps(f0), s1 = _mm512_set1_ps(f1);
   for (int64_t e = 0; e < n; e += 16) {
     const __m512 a = _mm512_loadu_ps(x0 + e), b = _mm512_loadu_ps(x1 + e);
-    _mm512_storeu_si512(y + e, _mm512_permutexvar_epi16(
-                                   pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a))));
+    _mm512_storeu_si512(y + e, pair_words(a, b));
     _mm512_storeu_ps(x0 + e, _mm512_mul_ps(a, s0));
     _mm512_storeu_ps(x1 + e, _mm512_mul_ps(b, s1));
   }

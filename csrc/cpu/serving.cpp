@@ -64,27 +64,32 @@ at::Tensor kernel_state(const at::Tensor& s, at::ScalarType ct) {
   return s.to(dtype_ok ? s.scalar_type() : ct).contiguous();
 }
 
+// The first word of /sys/devices/system/cpu/cpu0/cache/index<i>/<field> into text (at most n - 1
+// characters); false if it cannot be read. C stdio: an iostream version crashed every unforced
+// decode call on one 16-core Xeon host (docs/benchmarks.md, "Decode: the last-level cache from
+// sysfs").
+bool read_cache_field(int i, const char* field, char* text, int n) {
+  char path[96], format[16];
+  std::snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/%s", i, field);
+  std::snprintf(format, sizeof(format), "%%%ds", n - 1);
+  std::FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return false;
+  const bool read = std::fscanf(f, format, text) == 1;
+  std::fclose(f);
+  return read;
+}
+
 // The size of the level-3 cache that CPU 0 shares with the cores around it, as Linux's sysfs
 // reports it (/sys/devices/system/cpu/cpu0/cache/index*/, the entry of level 3), or -1. On AMD
 // guests glibc's sysconf(_SC_LEVEL3_CACHE_SIZE) reports another number: the 2-core Zen 4 guest's
 // sysfs says 32 MB (one CCD's L3), its sysconf 320 MB.
 int64_t sysfs_l3_bytes() {
   for (int i = 0; i < 8; ++i) {
-    char path[96];
-    std::snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
-    std::FILE* f = std::fopen(path, "r");
-    if (f == nullptr) continue;
-    int level = 0;
-    const bool read_level = std::fscanf(f, "%d", &level) == 1;
-    std::fclose(f);
-    if (!read_level || level != 3) continue;
-    std::snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
-    f = std::fopen(path, "r");
-    if (f == nullptr) return -1;
-    char text[32] = {};
-    const bool read_size = std::fscanf(f, "%31s", text) == 1;
-    std::fclose(f);
-    return read_size ? parse_cache_size(text) : -1;
+    char level[8] = {}, size[32] = {};
+    if (!read_cache_field(i, "level", level, sizeof(level)) || std::strcmp(level, "3") != 0) {
+      continue;
+    }
+    return read_cache_field(i, "size", size, sizeof(size)) ? parse_cache_size(size) : -1;
   }
   return -1;
 }

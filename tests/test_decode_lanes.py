@@ -16,6 +16,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
+
+import torch_kda
 
 _CHECK = textwrap.dedent(
     """
@@ -59,3 +62,46 @@ def test_vfirst_columns_permute_bit_for_bit(isa):
     r = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_vfirst_decode_bits_do_not_depend_on_the_batch():
+    """A V-first decode call whose state traffic exceeds a third of the cached bytes (at most
+    48 MB / 3 = 16 MB; here 2 x 24 x 8 x 64 KB = 25 MB) reads each head's rows before writing them,
+    a one-sequence call writes each 16-row block right after reading it (csrc/cpu/serving.cpp,
+    vfirst_two_pass). The sequences are independent, so both orders must give the same bits, in the
+    functional call and in a pool updated in place; and both match the float64 oracle."""
+    from kda_testing import rel_err
+    from oracle import oracle_kda
+
+    gen = torch.Generator().manual_seed(28)
+    N, H, K, V = 24, 8, 128, 128
+    q = torch.randn(N, 1, H, K, generator=gen)
+    k = torch.randn(N, 1, H, K, generator=gen)
+    v = torch.randn(N, 1, H, V, generator=gen)
+    g = -torch.rand(N, 1, H, K, generator=gen)
+    beta = torch.rand(N, 1, H, generator=gen)
+    h0 = torch.randn(N, H, V, K, generator=gen) * 0.5
+    kw = dict(use_qk_l2norm_in_kernel=True, state_v_first=True, backend="native")
+    with torch.no_grad():
+        o, s = torch_kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0,
+                                             output_final_state=True, **kw)
+        pool = torch.cat([h0, torch.randn(3, H, V, K, generator=gen)])
+        slots = torch.randperm(N + 3, generator=gen)[:N]
+        pool[slots] = h0
+        flat = [t.reshape(1, N, *t.shape[2:]) for t in (q, k, v, g, beta)]
+        o_pool, _ = torch_kda.fused_recurrent_kda(
+            *flat, initial_state=pool, ssm_state_indices=slots.to(torch.int32),
+            cu_seqlens=torch.arange(N + 1), inplace_final_state=True, **kw)
+        for n in (0, 11, N - 1):
+            one = slice(n, n + 1)
+            o1, s1 = torch_kda.fused_recurrent_kda(q[one], k[one], v[one], g[one], beta[one],
+                                                   initial_state=h0[one],
+                                                   output_final_state=True, **kw)
+            assert torch.equal(o[one], o1) and torch.equal(s[one], s1), n
+            assert torch.equal(o_pool[0, n], o1[0, 0]) and torch.equal(pool[slots[n]], s1[0]), n
+    sel = [0, N - 1]
+    o_ref, s_ref = oracle_kda(q[sel], k[sel], v[sel], g[sel], beta[sel], initial_state=h0[sel],
+                              output_final_state=True, use_qk_l2norm_in_kernel=True,
+                              state_v_first=True)
+    assert rel_err(o[sel], o_ref) < 2e-5
+    assert rel_err(s[sel], s_ref) < 2e-5

@@ -8,7 +8,9 @@
 //                     u = beta (v - kS);  o = qS + (q . k) u;
 //                     pass 2 re-reads the rows (from L1/L2) and writes  a_k S_k + k_k u.
 //   V-first S [V, K]: per value column c, the row S_c is contiguous: two dot products
-//                     (a k) . S_c and (a q) . S_c, then the row  a * S_c + u_c k  is written.
+//                     (a k) . S_c and (a q) . S_c, then the row  a * S_c + u_c k  is written
+//                     (right after each block's read, or after a head's whole read when the
+//                     state comes from memory: vfirst_block).
 // o = q^T S_new = q^T (Diag(a) S) + (q . k) u, so the output needs no third pass. Sums run in a
 // fixed order independent of the split into units: results do not depend on the thread count.
 #include "cpu/kernels/serving_kernels.h"
@@ -241,6 +243,7 @@ struct Prep {
   T qk;   // qhat . khat * scale
   T beta; // scalar beta (unused when head-wise)
   mutable Ahead next{};  // the block to prefetch while this one is read (decode only)
+  bool two_pass = false;  // V-first: ServingArgs::vfirst_two_pass, decode only (vfirst_block)
 };
 
 template <typename T>
@@ -459,15 +462,49 @@ inline void vfirst_write_rows(const Prep<T>& P, const vec<T>* u, const Src* src,
   }
 }
 
+// The dot products of vfirst_lanes_dots with K = NV vectors: (a k) and (a q) stay in 2 NV
+// registers across the L rows, taken 2 at a time (each row one contiguous read), so each row
+// vector costs one load instead of 1.5. Each accumulator sums over i in order, as below.
+template <int NV, typename T, typename Src>
+inline void vfirst_dot_rows(const Prep<T>& P, const Src* src, int64_t sld, vec<T>* zk,
+                            vec<T>* zq) {
+  constexpr int64_t L = kL<T>;
+  vec<T> ak[NV], q[NV];
+  for (int i = 0; i < NV; ++i) {
+    ak[i] = vload<T, T>(P.ak + i * L, L);
+    q[i] = vload<T, T>(P.q + i * L, L);
+  }
+  for (int64_t j = 0; j < L; j += 2) {
+    const Src* r0 = src + j * sld;
+    const Src* r1 = r0 + sld;
+    vec<T> k0{}, q0{}, k1{}, q1{};
+    P.next.fetch(2 * NV * L * sizeof(Src));
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) {
+      const vec<T> s0 = vload<T, Src>(r0 + i * L, L), s1 = vload<T, Src>(r1 + i * L, L);
+      k0 += ak[i] * s0;
+      q0 += q[i] * s0;
+      k1 += ak[i] * s1;
+      q1 += q[i] * s1;
+    }
+    zk[j] = k0;
+    zq[j] = q0;
+    zk[j + 1] = k1;
+    zq[j + 1] = q1;
+  }
+}
+
 // V-first, kL<T> value columns at once when K is a multiple of the vector length (the hot path:
-// 16 columns under AVX-512). The dot products accumulate per row exactly as in vfirst_cols, 4 rows
-// per sweep over K, and the 2 x kL<T> lane sums come out of two transposing reductions
-// (lane_sums) instead of one horizontal sum each: the same bits (lane_reduce.h), ~3 shuffles per
-// row instead of ~8 plus a round trip through the stack. Where the state stays in cache (B1 on
-// the 16-core host) the horizontal sums had made V-first 1.1-1.4x slower than K-first.
-template <typename T, bool NT, typename Src, typename Dst>
-inline void vfirst_lanes(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv,
-                         int64_t c, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
+// 16 columns under AVX-512): the dot products of columns [c, c + L) and their outputs; u gets the
+// columns' u_j broadcast for the write (vfirst_lanes_write). The dot products accumulate per row
+// exactly as in vfirst_cols, 4 rows per sweep over K, and the 2 x kL<T> lane sums come out of two
+// transposing reductions (lane_sums) instead of one horizontal sum each: the same bits
+// (lane_reduce.h), ~3 shuffles per row instead of ~8 plus a round trip through the stack. Where
+// the state stays in cache (B1 on the 16-core host) the horizontal sums had made V-first 1.1-1.4x
+// slower than K-first.
+template <typename T, typename Src>
+inline void vfirst_lanes_dots(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv,
+                              int64_t c, const Src* src, int64_t sld, vec<T>* u) {
   constexpr int64_t L = kL<T>;
   // Rows per sweep over K (2 G accumulators in registers): 4, or all L when a vector holds fewer
   // (fp64 in the 16-byte generic kernels: L = 2), so j0 + j stays below L (zk / zq have L rows).
@@ -477,6 +514,13 @@ inline void vfirst_lanes(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok,
   T dk[L], dq[L];
   if (src != nullptr) {
     vec<T> zk[L], zq[L];
+#if defined(__AVX512F__)
+    if (K == 8 * L) {
+      vfirst_dot_rows<8, T, Src>(P, src, sld, zk, zq);
+    } else if (K == 4 * L) {
+      vfirst_dot_rows<4, T, Src>(P, src, sld, zk, zq);
+    } else
+#endif
     for (int64_t j0 = 0; j0 < L; j0 += G) {
       vec<T> ka[G], qa[G];
       for (int j = 0; j < G; ++j) ka[j] = qa[j] = vec<T>{};
@@ -500,9 +544,15 @@ inline void vfirst_lanes(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok,
   } else {
     for (int j = 0; j < L; ++j) dk[j] = dq[j] = T(0);
   }
-  vec<T> u[L];
   vfirst_outputs<T>(A, P, tok, hv, c, L, dk, dq, u);
-  if (dst == nullptr) return;
+}
+
+// The write of L value rows from c, S'_j = a . S_j + u_j k (u from vfirst_lanes_dots).
+template <typename T, bool NT, typename Src, typename Dst>
+inline void vfirst_lanes_write(const ServingArgs<T>& A, const Prep<T>& P, const vec<T>* u,
+                               const Src* src, int64_t sld, Dst* dst, int64_t dld) {
+  constexpr int64_t L = kL<T>;
+  const int64_t K = A.K;
   if (src == nullptr) {
     for (int64_t i = 0; i < K; i += L) {
       const vec<T> kk = vload<T, T>(P.k + i, L);
@@ -527,15 +577,36 @@ inline void vfirst_lanes(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok,
   }
 }
 
+// Whole vectors of value columns: either each block of kL<T> rows is read (its dot products)
+// and then written while still in L1, or (P.two_pass) the rows of up to kVfirstSpan
+// columns are all read first and then all written, as K-first's two passes over a head do.
+// Measured on the Zen 4 box (H32, 1 thread, the state from memory from B4 on): the interleaved
+// order ran B1 1.2x faster than two passes (93-96 vs 111 us: the write re-reads L1, not L2), two
+// passes ran B4 and B8 1.05-1.2x faster (B8 1,930-2,260 vs 2,170-2,470 us). Same bits either way.
+constexpr int64_t kVfirstSpan = 128;
+
 template <typename T, bool Full, bool NT, typename Src, typename Dst>
 void vfirst_block(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv, int64_t c,
                   int64_t w, const Src* src, int64_t sld, Dst* dst, int64_t dld) {
   constexpr int CB = kColBlock;
+  constexpr int64_t L = kL<T>;
   int64_t j = 0;
   if constexpr (Full) {
-    for (; j + kL<T> <= w; j += kL<T>) {
-      vfirst_lanes<T, NT, Src, Dst>(A, P, tok, hv, c + j, src ? src + j * sld : nullptr, sld,
-                                    dst ? dst + j * dld : nullptr, dld);
+    const int64_t most = P.two_pass ? kVfirstSpan : L;
+    vec<T> u[kVfirstSpan];
+    while (j + L <= w) {
+      const int64_t span = imin(most, (w - j) / L * L);
+      for (int64_t b = 0; b < span; b += L) {
+        vfirst_lanes_dots<T, Src>(A, P, tok, hv, c + j + b, src ? src + (j + b) * sld : nullptr,
+                                  sld, u + b);
+      }
+      if (dst != nullptr) {
+        for (int64_t b = 0; b < span; b += L) {
+          vfirst_lanes_write<T, NT, Src, Dst>(A, P, u + b, src ? src + (j + b) * sld : nullptr,
+                                              sld, dst + (j + b) * dld, dld);
+        }
+      }
+      j += span;
     }
   }
   for (; j + CB <= w; j += CB) {
@@ -699,6 +770,7 @@ void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int6
   Prep<T> P{pb, pb + K, pb + 2 * K, pb + 3 * K, 0, 0};
   if (Tn == 1) {  // decode: read the slice once, write it once, straight from src to its target
     prep_token<T>(A, t0, hv, P);
+    P.two_pass = A.vfirst_two_pass;
     // The next head's block sits right after this one in the same state row. (Only the thread's
     // own next unit: another thread's block would be pulled out of that core's cache.)
     if (next_head && src != nullptr) {

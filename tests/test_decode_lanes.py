@@ -65,11 +65,12 @@ def test_vfirst_columns_permute_bit_for_bit(isa):
 
 
 def test_vfirst_decode_bits_do_not_depend_on_the_batch():
-    """A V-first decode call whose state traffic exceeds a third of the cached bytes (at most
-    48 MB / 3 = 16 MB; here 2 x 24 x 8 x 64 KB = 25 MB) reads each head's rows before writing them,
-    a one-sequence call writes each 16-row block right after reading it (csrc/cpu/serving.cpp,
-    vfirst_two_pass). The sequences are independent, so both orders must give the same bits, in the
-    functional call and in a pool updated in place; and both match the float64 oracle."""
+    """On AMD CPUs a V-first decode call with a fresh final state whose state traffic exceeds a
+    third of the cached bytes (at most 48 MB / 3 = 16 MB; here 2 x 24 x 8 x 64 KB = 25 MB, under a
+    32 MB L3, so not streamed) reads each head's rows before writing them; a one-sequence call, a
+    pool updated in place and other CPUs write each 16-row block right after reading it
+    (csrc/cpu/serving.cpp, vfirst_two_pass). The sequences are independent, so every order must
+    give the same bits; and they match the float64 oracle."""
     from kda_testing import rel_err
     from oracle import oracle_kda
 

@@ -136,19 +136,32 @@ bool stream_final_state(const Config& cfg, const Dims& d, const ServingPlan& pla
 }
 
 // Whether a V-first decode reads each head's rows before writing them (ServingArgs::
-// vfirst_two_pass): where the state bytes the call reads and writes exceed a third of the
-// last-level cache (at most 48 MB, as stream_final_state), the state comes from memory, and
-// reading a head's 64 KB before writing it ran 1.1-1.2x faster than writing each 16-row block
-// right after its read; below, the interleaved order, whose write re-reads the rows from L1, ran
-// 1.2x faster (Zen 4 box, 32 MB L3, H32, 1 thread: two passes faster from B4, 16.8 MB, slower at
-// B1 and B2; docs/benchmarks.md "V-first decode from memory: two passes over a head").
+// vfirst_two_pass), on AMD CPUs, for a fresh final state written with plain stores (not streamed,
+// not the pool in place) whose read + written bytes exceed a third of the cached bytes
+// (cacheable_bytes): the state then comes from memory while the written lines still allocate in
+// the cache. There, on the Zen 4 box (32 MB L3, H32, 1 thread), reading a head's 64 KB before
+// writing it ran 1.05-1.2x faster than writing each 16-row block right after its read (B4 and
+// B8: 16.8 and 33.6 MB). Everywhere else the interleaved order, whose write re-reads the rows from
+// L1, ran as fast or faster: on the Zen 4 box 1.2x at B1 and B2 (cached), up to 1.25x at B16
+// (streamed), 1.05x in a pool updated in place; on the 16-core Xeon host (Intel) 1.01-1.1x at B4
+// and B8 and 1.25x at B16 and B64 (docs/benchmarks.md, "V-first decode from memory: two passes
+// over a head"). The values written are the same either way.
 bool vfirst_two_pass(const Config& cfg, const Dims& d, const at::Tensor& src,
-                     const at::Tensor& dst) {
-  if (!cfg.state_v_first) return false;
-  const at::Tensor& state = src.defined() ? src : dst;
-  if (!state.defined()) return false;
-  const int64_t bytes = 2 * d.N * d.HV * d.K * d.V * static_cast<int64_t>(state.element_size());
+                     const at::Tensor& dst, bool streamed) {
+  if (!cfg.state_v_first || !dst.defined() || streamed) return false;
+  if (src.defined() && dst.is_alias_of(src)) return false;
+#if defined(KDA_HAVE_X86_ISAS)
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  if (!amd) return false;
+  const int64_t bytes = 2 * d.N * d.HV * d.K * d.V * static_cast<int64_t>(dst.element_size());
   return bytes > cacheable_bytes() / 3;
+#else
+  (void)d;
+  return false;
+#endif
 }
 
 // t itself when it already is contiguous in the compute dtype (the usual decode call: no
@@ -297,8 +310,8 @@ void run(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& 
     A.dst_type = state_type(dst);
     A.dst_stride = dst.stride(0);
     A.stream_dst = std::is_same_v<T, float> && stream_final_state(cfg, d, plan, src, dst);
+    A.vfirst_two_pass = vfirst_two_pass(cfg, d, src, dst, A.stream_dst);
   }
-  A.vfirst_two_pass = vfirst_two_pass(cfg, d, src, dst);
   const auto& tab = kernels::serving_table();
   auto fn = [&]() {
     if constexpr (std::is_same_v<T, float>) {

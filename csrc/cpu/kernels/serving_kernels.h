@@ -66,9 +66,9 @@ struct ServingArgs {
   bool stream_dst = false;
   // Decode with a V-first state: read the rows of a head's columns (up to 128 of them) before
   // writing any, instead of writing each vector-length block of rows right after reading it. The
-  // driver sets it where the state bytes a call reads and writes exceed a third of the last-level
-  // cache (at most 48 MB), so they come from memory (csrc/cpu/serving.cpp, vfirst_two_pass). The
-  // values written are the same either way.
+  // driver sets it on AMD CPUs for a fresh final state with plain stores whose read + written bytes
+  // exceed a third of the last-level cache (csrc/cpu/serving.cpp, vfirst_two_pass, which says where
+  // it was measured). The values written are the same either way.
   bool vfirst_two_pass = false;
 };
 

@@ -497,7 +497,8 @@ inline void vfirst_dot_rows(const Prep<T>& P, const Src* src, int64_t sld, vec<T
 // V-first, kL<T> value columns at once when K is a multiple of the vector length (the hot path:
 // 16 columns under AVX-512): the dot products of columns [c, c + L) and their outputs; u gets the
 // columns' u_j broadcast for the write (vfirst_lanes_write). The dot products accumulate per row
-// exactly as in vfirst_cols, 4 rows per sweep over K, and the 2 x kL<T> lane sums come out of two
+// exactly as in vfirst_cols, 4 rows per sweep over K (2 rows with (a k), (a q) held in registers
+// where AVX-512 holds them: vfirst_dot_rows), and the 2 x kL<T> lane sums come out of two
 // transposing reductions (lane_sums) instead of one horizontal sum each: the same bits
 // (lane_reduce.h), ~3 shuffles per row instead of ~8 plus a round trip through the stack. Where
 // the state stays in cache (B1 on the 16-core host) the horizontal sums had made V-first 1.1-1.4x

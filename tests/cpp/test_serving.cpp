@@ -248,6 +248,39 @@ TEST(ServingOutputs, FreshFinalStateComesFromTheOutputCache) {
 }  // namespace
 
 // The decode's last-level cache bound reads sysfs's size strings (serving.cpp, llc_bytes).
+// A V-first decode batch of 25 MB of state traffic reads each head's rows before writing them on
+// AMD CPUs (serving.cpp, vfirst_two_pass; under the L3 here, so not streamed); one sequence alone
+// writes each 16-row block right after reading it. Both orders must give the same bits.
+TEST(ServingDecode, VFirstBitsDoNotDependOnTheBatch) {
+  torch::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(28);
+  const int64_t N = 24, H = 8, K = 128, V = 128;
+  const Tensor q = at::randn({N, 1, H, K}, gen), k = at::randn({N, 1, H, K}, gen);
+  const Tensor v = at::randn({N, 1, H, V}, gen), g = -at::rand({N, 1, H, K}, gen);
+  const Tensor beta = at::rand({N, 1, H}, gen), h0 = at::randn({N, H, V, K}, gen) * 0.5;
+  kda::FusedRecurrentOptions opts;
+  opts.use_qk_l2norm_in_kernel = true;
+  opts.state_v_first = true;
+  opts.initial_state = h0;
+  auto [o, s] = kda::fused_recurrent(q, k, v, g, beta, opts);
+  for (int64_t n : {int64_t(0), int64_t(13), N - 1}) {
+    auto one = opts;
+    one.initial_state = h0.narrow(0, n, 1);
+    auto [o1, s1] = kda::fused_recurrent(q.narrow(0, n, 1), k.narrow(0, n, 1), v.narrow(0, n, 1),
+                                         g.narrow(0, n, 1), beta.narrow(0, n, 1), one);
+    EXPECT_TRUE(at::equal(o.narrow(0, n, 1), o1)) << n;
+    EXPECT_TRUE(at::equal(s.narrow(0, n, 1), s1)) << n;
+  }
+  auto ref = opts;
+  ref.initial_state = h0.narrow(0, 0, 1).to(at::kDouble);
+  auto [o_ref, s_ref] = kda::fused_recurrent(
+      q.narrow(0, 0, 1).to(at::kDouble), k.narrow(0, 0, 1).to(at::kDouble),
+      v.narrow(0, 0, 1).to(at::kDouble), g.narrow(0, 0, 1).to(at::kDouble),
+      beta.narrow(0, 0, 1).to(at::kDouble), ref);
+  EXPECT_LT(rel(o.narrow(0, 0, 1), o_ref), 2e-5);
+  EXPECT_LT(rel(s.narrow(0, 0, 1), s_ref), 2e-5);
+}
+
 TEST(ServingCacheSize, ParsesSysfsSizesAndRejectsOthers) {
   EXPECT_EQ(kda::detail::parse_cache_size("32768K"), int64_t(32) << 20);
   EXPECT_EQ(kda::detail::parse_cache_size("1M"), int64_t(1) << 20);

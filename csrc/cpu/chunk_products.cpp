@@ -39,26 +39,25 @@ bool amx_tiles() {
   return amx;
 }
 
-bool amx_shapes(const char* op) {
-  const char* env = std::getenv("TORCH_KDA_CHUNK_SHAPES");
-  const std::string knob = env && *env ? env : "auto";
-  KDA_CHECK_VALUE(knob == "auto" || knob == "amx" || knob == "blocked", op,
-                  "TORCH_KDA_CHUNK_SHAPES must be auto, amx or blocked, got '", knob, "'");
-  return knob == "auto" ? amx_tiles() : knob == "amx";
-}
-
 namespace {
 
-// The value of TORCH_KDA_CHUNK_PRODUCTS (auto when unset or empty), checked.
-std::string products_knob(const char* op) {
-  const char* env = std::getenv("TORCH_KDA_CHUNK_PRODUCTS");
+// The value of the chunk knob `name` (auto when unset or empty), one of auto, a or b; any other
+// value raises c10::Error naming the knob (the chunk knobs choose numerics or shapes, so a typo
+// must not silently run something else; env_knob.h's knobs warn instead).
+std::string chunk_knob(const char* name, const char* a, const char* b, const char* op) {
+  const char* env = std::getenv(name);
   const std::string knob = env && *env ? env : "auto";
-  KDA_CHECK_VALUE(knob == "auto" || knob == "fp32" || knob == "bf16", op,
-              "TORCH_KDA_CHUNK_PRODUCTS must be auto, fp32 or bf16, got '", knob, "'");
+  KDA_CHECK_VALUE(knob == "auto" || knob == a || knob == b, op, name, " must be auto, ", a, " or ",
+                  b, ", got '", knob, "'");
   return knob;
 }
 
 }  // namespace
+
+bool amx_shapes(const char* op) {
+  const std::string knob = chunk_knob("TORCH_KDA_CHUNK_SHAPES", "amx", "blocked", op);
+  return knob == "auto" ? amx_tiles() : knob == "amx";
+}
 
 // Whether cpublas::brgemm runs bf16 products with fp32 accumulation on the CPU's own bf16 hardware
 // for B operands in pack_b's layout: AMX tiles (where ATen packs bf16 itself, could_pack), or the
@@ -106,7 +105,7 @@ bool bf16_products_in_hardware() {
 }
 
 Products choose_products(at::ScalarType input, int64_t K, int64_t V, const char* op) {
-  const std::string knob = products_knob(op);
+  const std::string knob = chunk_knob("TORCH_KDA_CHUNK_PRODUCTS", "fp32", "bf16", op);
   const bool half = input == at::kBFloat16 || input == at::kHalf;
   if (!half || knob == "fp32" || K <= 0 || V <= 0 || K % 16 != 0 || V % 16 != 0) {
     return Products::kNative;

@@ -112,6 +112,20 @@ int64_t llc_bytes() {
 // (see stream_final_state).
 int64_t cacheable_bytes() { return std::min(llc_bytes(), int64_t(48) << 20); }
 
+// Whether this is an AMD CPU with AVX-512 (Zen 4 and later): the cores on which the two rules
+// below were measured to want what the other CPUs measured (Zen 3, the Xeons) do not.
+bool amd_avx512() {
+#if defined(KDA_HAVE_X86_ISAS)
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0 && __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
 // Whether a decode call writes its fresh fp32 final state `dst` with non-temporal stores (no read
 // of each destination line first: a third of the traffic). When the state bytes a call reads and
 // writes exceed what stays cached, the written lines are evicted before the next call reads them
@@ -119,10 +133,13 @@ int64_t cacheable_bytes() { return std::min(llc_bytes(), int64_t(48) << 20); }
 // last-level cache, at most 48 MB: a VM's share of a large shared L3 is less than sysconf reports
 // (the 16-core Xeon guest reports 300 MB, yet streaming ran 1.4-1.7x faster there at 64 MB of
 // state traffic, B16 H32; the AVX2 box's 32 MB L3: faster from 64 MB, slower at 4-32 MB when the
-// next call reads the state, K-first; docs/benchmarks.md "Decode against ggml, third round"; the
-// Zen 4 box's 32 MB L3, which only sysfs reports: 1.2-1.3x faster from B10 H32, 42 MB, when the
-// next call reads the state, and at B8, exactly 32 MiB, which the strict bound leaves to plain
-// stores as the Zen 3 box wants; slower at B4: "Decode: the last-level cache from sysfs").
+// next call reads the state, K-first; docs/benchmarks.md "Decode against ggml, third round").
+// Traffic of exactly the cache's size (B8 H32 at K = V = 128 against a 32 MB L3) streams on AMD
+// CPUs with AVX-512 only: on the Zen 4 box streaming ran it 1.2-1.4x faster at one thread when
+// the next call reads the state (a cyclic pattern as large as the cache keeps none of it) and
+// 1.5-2x faster when every call reads the same initial state (sessions 26 and 29); the Zen 3
+// box's chained loops, whose L3 is as large, ran 1.3-2.5x slower ("Decode: the last-level cache
+// from sysfs", "Streaming at the cache's size"). Slower at B4 on every box.
 // Needs 64-byte alignment of dst and of its rows. TORCH_KDA_DECODE_STREAM=0 / 1 overrides the
 // size rule (benchmarks and tests compare the two side by side; the values written are the same).
 bool stream_final_state(const Config& cfg, const Dims& d, const ServingPlan& plan,
@@ -132,7 +149,8 @@ bool stream_final_state(const Config& cfg, const Dims& d, const ServingPlan& pla
   const int64_t row = cfg.state_v_first ? d.K : d.V;
   if (row % 16 != 0 || reinterpret_cast<uintptr_t>(dst.data_ptr()) % 64 != 0) return false;
   if (const char* forced = env_knob("TORCH_KDA_DECODE_STREAM", {"0", "1"})) return *forced == '1';
-  return 2 * static_cast<int64_t>(dst.nbytes()) > cacheable_bytes();
+  const int64_t traffic = 2 * static_cast<int64_t>(dst.nbytes());
+  return amd_avx512() ? traffic >= cacheable_bytes() : traffic > cacheable_bytes();
 }
 
 // Whether a V-first decode reads each head's rows before writing them (ServingArgs::
@@ -141,7 +159,7 @@ bool stream_final_state(const Config& cfg, const Dims& d, const ServingPlan& pla
 // (cacheable_bytes): the state then comes from memory while the written lines still allocate in
 // the cache. There, on the Zen 4 box (32 MB L3, H32, 1 thread), reading a head's 64 KB before
 // writing it ran 1.05-1.2x faster than writing each 16-row block right after its read (B4 and
-// B8: 16.8 and 33.6 MB). Everywhere else the interleaved order, whose write re-reads the rows from
+// B8: 16.8 and 33.6 MB; B8 now streams there, stream_final_state). Everywhere else the interleaved order, whose write re-reads the rows from
 // L1, ran as fast or faster: on the Zen 4 box 1.2x at B1 and B2 (cached), up to 1.25x at B16
 // (streamed), 1.05x in a pool updated in place; on the 16-core Xeon host (Intel) 1.01-1.1x at B4
 // and B8 and 1.25x at B16 and B64 (docs/benchmarks.md, "V-first decode from memory: two passes

@@ -156,3 +156,19 @@ inline void lane_sums(T* out, const vec_t<T>* Z, int64_t width) {
 #endif
   for (; j < width; ++j) out[j] = hsum<T>(Z[j]);
 }
+
+// The lane sums of Z[0..L) as one vector (lane j: hsum(Z[j]), bit for bit), for callers that go
+// on computing with them in a vector.
+template <typename T>
+inline vec_t<T> lane_sums_vec(const vec_t<T>* Z) {
+#if defined(KDA_HAVE_TRANSPOSE_REDUCE)
+  static const ReduceMasks<T> masks;
+  return transpose_reduce<T>(Z, masks);
+#else
+  T out[kLanes<T>];
+  lane_sums<T>(out, Z, kLanes<T>);
+  vec_t<T> r;
+  std::memcpy(&r, out, sizeof(r));
+  return r;
+#endif
+}

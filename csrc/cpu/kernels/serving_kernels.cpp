@@ -512,7 +512,7 @@ inline void vfirst_lanes_dots(const ServingArgs<T>& A, const Prep<T>& P, int64_t
   constexpr int G = L < 4 ? static_cast<int>(L) : 4;
   static_assert(L % G == 0, "the sweeps must tile the L columns");
   const int64_t K = A.K;
-  T dk[L], dq[L];
+  vec<T> dk{}, dq{};
   if (src != nullptr) {
     vec<T> zk[L], zq[L];
 #if defined(__AVX512F__)
@@ -540,12 +540,17 @@ inline void vfirst_lanes_dots(const ServingArgs<T>& A, const Prep<T>& P, int64_t
         zq[j0 + j] = qa[j];
       }
     }
-    lane_sums<T>(dk, zk, L);
-    lane_sums<T>(dq, zq, L);
-  } else {
-    for (int j = 0; j < L; ++j) dk[j] = dq[j] = T(0);
+    dk = lane_sums_vec<T>(zk);
+    dq = lane_sums_vec<T>(zq);
   }
-  vfirst_outputs<T>(A, P, tok, hv, c, L, dk, dq, u);
+  // vfirst_outputs for the L columns as vectors (the same operations lane by lane).
+  const int64_t ob = (tok * A.HV + hv) * A.V + c;
+  const vec<T> b = A.beta_headwise ? beta_cols(A, tok, hv, c, L) : splat(P.beta);
+  const vec<T> uv = b * (vload<T, T>(A.v + ob, L) - dk);
+  vstore<T, T>(A.o + ob, dq + P.qk * uv, L);
+  T us[L];
+  std::memcpy(us, &uv, sizeof(us));
+  for (int j = 0; j < L; ++j) u[j] = splat(us[j]);
 }
 
 // The write of L value rows from c, S'_j = a . S_j + u_j k (u from vfirst_lanes_dots).

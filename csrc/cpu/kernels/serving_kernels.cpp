@@ -499,8 +499,9 @@ inline void vfirst_dot_rows(const Prep<T>& P, const Src* src, int64_t sld, vec<T
 // columns' u_j broadcast for the write (vfirst_lanes_write). The dot products accumulate per row
 // exactly as in vfirst_cols, 4 rows per sweep over K (2 rows with (a k), (a q) held in registers
 // where AVX-512 holds them: vfirst_dot_rows), and the 2 x kL<T> lane sums come out of two
-// transposing reductions (lane_sums) instead of one horizontal sum each: the same bits
-// (lane_reduce.h), ~3 shuffles per row instead of ~8 plus a round trip through the stack. Where
+// transposing reductions (lane_sums_vec) instead of one horizontal sum each: the same bits
+// (lane_reduce.h), ~3 shuffles per row instead of ~8 plus a round trip through the stack. The
+// columns' u and o are then formed as vectors (vfirst_outputs' operations, lane by lane). Where
 // the state stays in cache (B1 on the 16-core host) the horizontal sums had made V-first 1.1-1.4x
 // slower than K-first.
 template <typename T, typename Src>

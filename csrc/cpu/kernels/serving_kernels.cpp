@@ -439,25 +439,29 @@ inline void vfirst_cols(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, 
   }
 }
 
-// The write of vfirst_lanes' L rows, S'_j = a . S_j + u_j k, with K = NV vectors: a and k of the
-// token stay in 2 NV registers across the rows (NV <= 8: 16 of AVX-512's 32), so each output
-// vector costs one load (the row's) instead of three. Row by row, as the general loop below.
-template <int NV, typename T, bool NT, typename Src, typename Dst>
+// The write of vfirst_lanes' L rows, S'_j = a . S_j + u_j k, in pieces of CV vectors of K: a and
+// k of a piece stay in 2 CV registers across the rows, so each output vector costs one load (the
+// row's) instead of three. AVX-512: the whole row (K = CV vectors, CV <= 8: 16 of its 32
+// registers), row by row as the general loop below; AVX2: pieces of 4 vectors (8 of its 16
+// registers), the rows' pieces one after the other.
+template <int CV, typename T, bool NT, typename Src, typename Dst>
 inline void vfirst_write_rows(const Prep<T>& P, const vec<T>* u, const Src* src, int64_t sld,
-                              Dst* dst, int64_t dld) {
+                              Dst* dst, int64_t dld, int64_t K) {
   constexpr int64_t L = kL<T>;
-  vec<T> a[NV], kk[NV];
-  for (int i = 0; i < NV; ++i) {
-    a[i] = vload<T, T>(P.a + i * L, L);
-    kk[i] = vload<T, T>(P.k + i * L, L);
-  }
-  for (int j = 0; j < L; ++j) {
-    const Src* row = src + j * sld;
-    Dst* out = dst + j * dld;
+  for (int64_t i0 = 0; i0 < K; i0 += CV * L) {
+    vec<T> a[CV], kk[CV];
+    for (int i = 0; i < CV; ++i) {
+      a[i] = vload<T, T>(P.a + i0 + i * L, L);
+      kk[i] = vload<T, T>(P.k + i0 + i * L, L);
+    }
+    for (int j = 0; j < L; ++j) {
+      const Src* row = src + j * sld + i0;
+      Dst* out = dst + j * dld + i0;
 #pragma GCC unroll 8
-    for (int i = 0; i < NV; ++i) {
-      const vec<T> s = vload<T, Src>(row + i * L, L);
-      vput<NT, T, Dst>(out + i * L, a[i] * s + u[j] * kk[i], L);
+      for (int i = 0; i < CV; ++i) {
+        const vec<T> s = vload<T, Src>(row + i * L, L);
+        vput<NT, T, Dst>(out + i * L, a[i] * s + u[j] * kk[i], L);
+      }
     }
   }
 }
@@ -568,8 +572,10 @@ inline void vfirst_lanes_write(const ServingArgs<T>& A, const Prep<T>& P, const 
     return;
   }
 #if defined(__AVX512F__)
-  if (K == 8 * L) return vfirst_write_rows<8, T, NT, Src, Dst>(P, u, src, sld, dst, dld);
-  if (K == 4 * L) return vfirst_write_rows<4, T, NT, Src, Dst>(P, u, src, sld, dst, dld);
+  if (K == 8 * L) return vfirst_write_rows<8, T, NT, Src, Dst>(P, u, src, sld, dst, dld, K);
+  if (K == 4 * L) return vfirst_write_rows<4, T, NT, Src, Dst>(P, u, src, sld, dst, dld, K);
+#elif defined(__AVX2__)
+  if (K % (4 * L) == 0) return vfirst_write_rows<4, T, NT, Src, Dst>(P, u, src, sld, dst, dld, K);
 #endif
   // Row by row (each written as one contiguous stream, as the old 2-column blocks did: 16
   // interleaved row streams measured slower where the state comes from memory).

@@ -60,7 +60,7 @@ _CHECK = textwrap.dedent(
                 v, g = torch.randn(B, 1, H, V, dtype=dtype), torch.randn(B, 1, H, K, dtype=dtype)
                 beta = torch.randn(B, 1, H, dtype=dtype)
                 A_log, dt_bias = torch.rand(H, dtype=dtype), torch.randn(H * K, dtype=dtype)
-                h0 = torch.randn(B, H, V, K, dtype=dtype) if v_first else torch.randn(B, H, K, V, dtype=dtype)
+                h0 = torch.randn(B, H, *((V, K) if v_first else (K, V)), dtype=dtype)
                 kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
                           dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
                 o, s = torch_kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0,

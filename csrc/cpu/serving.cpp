@@ -112,14 +112,23 @@ int64_t llc_bytes() {
 // (see stream_final_state).
 int64_t cacheable_bytes() { return std::min(llc_bytes(), int64_t(48) << 20); }
 
-// Whether this is an AMD CPU with AVX-512 (Zen 4 and later): the cores on which the two rules
-// below were measured to want what the other CPUs measured (Zen 3, the Xeons) do not.
-bool amd_avx512() {
+// The CPU's vendor and generation where a rule below was measured to differ between CPUs:
+// amd_cpu (AMD), amd_avx512 (AMD with AVX-512: Zen 4 and later). Read once.
+bool amd_cpu() {
 #if defined(KDA_HAVE_X86_ISAS)
   static const bool yes = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0 && __builtin_cpu_supports("avx512f") != 0;
+    return __builtin_cpu_is("amd") != 0;
   }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+bool amd_avx512() {
+#if defined(KDA_HAVE_X86_ISAS)
+  static const bool yes = amd_cpu() && __builtin_cpu_supports("avx512f") != 0;
   return yes;
 #else
   return false;
@@ -159,27 +168,19 @@ bool stream_final_state(const Config& cfg, const Dims& d, const ServingPlan& pla
 // (cacheable_bytes): the state then comes from memory while the written lines still allocate in
 // the cache. There, on the Zen 4 box (32 MB L3, H32, 1 thread), reading a head's 64 KB before
 // writing it ran 1.05-1.2x faster than writing each 16-row block right after its read (B4 and
-// B8: 16.8 and 33.6 MB; B8 now streams there, stream_final_state). Everywhere else the interleaved order, whose write re-reads the rows from
-// L1, ran as fast or faster: on the Zen 4 box 1.2x at B1 and B2 (cached), up to 1.25x at B16
-// (streamed), 1.05x in a pool updated in place; on the 16-core Xeon host (Intel) 1.01-1.1x at B4
-// and B8 and 1.25x at B16 and B64 (docs/benchmarks.md, "V-first decode from memory: two passes
-// over a head"). The values written are the same either way.
+// B8: 16.8 and 33.6 MB; B8 now streams there, stream_final_state). Everywhere else the
+// interleaved order, whose write re-reads the rows from L1, ran as fast or faster: on the Zen 4
+// box 1.2x at B1 and B2 (cached), up to 1.25x at B16 (streamed), 1.05x in a pool updated in
+// place; on the 16-core Xeon host (Intel) 1.01-1.1x at B4 and B8 and 1.25x at B16 and B64
+// (docs/benchmarks.md, "V-first decode from memory: two passes over a head"). The values
+// written are the same either way.
 bool vfirst_two_pass(const Config& cfg, const Dims& d, const at::Tensor& src,
                      const at::Tensor& dst, bool streamed) {
   if (!cfg.state_v_first || !dst.defined() || streamed) return false;
   if (src.defined() && dst.is_alias_of(src)) return false;
-#if defined(KDA_HAVE_X86_ISAS)
-  static const bool amd = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
-  }();
-  if (!amd) return false;
+  if (!amd_cpu()) return false;
   const int64_t bytes = 2 * d.N * d.HV * d.K * d.V * static_cast<int64_t>(dst.element_size());
   return bytes > cacheable_bytes() / 3;
-#else
-  (void)d;
-  return false;
-#endif
 }
 
 // t itself when it already is contiguous in the compute dtype (the usual decode call: no

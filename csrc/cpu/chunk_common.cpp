@@ -301,56 +301,11 @@ KDA_ALWAYS_INLINE void block_rows(const ChunkIn<T>& c, ChunkWork<T>& w, int64_t 
   }
 }
 
-#if defined(KDA_HAVE_VEC16)
-// scale_columns for float: the live bits of the (at most kC) columns stay in kC / 16 vector
-// registers across the K rows; the loop below kept them in memory, and each row's OR waited on
-// the previous row's store of the same vector (~9% of decays_and_am on a Zen 4 core). The
-// 16-column vectors start at the vector holding column `from`; their lanes outside [from, to)
-// are written back unchanged and never count as live.
-KDA_ALWAYS_INLINE int64_t scale_columns_vec(float* __restrict colf, int64_t K, int64_t from,
-                                            int64_t to, const float* __restrict tot) {
-  constexpr int64_t kNV = kC / 16;
-  const int64_t jb = from / 16 * 16, nv = (to - jb + 15) / 16;
-  v16si in[kNV], live[kNV];
-  for (int64_t v = 0; v < kNV; ++v) {
-    for (int l = 0; l < 16; ++l) {
-      const int64_t j = jb + 16 * v + l;
-      in[v][l] = j >= from && j < to ? -1 : 0;
-    }
-    live[v] = v16si{};
-  }
-  for (int64_t d = 0; d < K; ++d) {
-    const float s = tot[d];
-    v16sf* row = reinterpret_cast<v16sf*>(colf + d * kC + jb);
-    for (int64_t v = 0; v < kNV; ++v) {
-      if (v < nv) {
-        const v16sf x = row[v];
-        const v16si y = (v16si)(x * s);
-        const v16si kept = (y & in[v]) | ((v16si)x & ~in[v]);
-        row[v] = (v16sf)kept;
-        live[v] |= y & in[v] & 0x7FFFFFFF;
-      }
-    }
-  }
-  for (int64_t v = 0; v < nv; ++v) {
-    for (int l = 0; l < 16; ++l) {
-      if (live[v][l]) return jb + 16 * v + l;
-    }
-  }
-  return to;
-}
-#endif
-
 // Columns [from, to) of the column factors colf [K, kC] times tot (per channel row); returns
 // the first of them with a nonzero entry (to if none; magnitude bits, so a NaN counts).
 template <typename T>
 KDA_ALWAYS_INLINE int64_t scale_columns(T* __restrict colf, int64_t K, int64_t from, int64_t to,
                                         const T* __restrict tot) {
-#if defined(KDA_HAVE_VEC16)
-  if constexpr (std::is_same_v<T, float>) {
-    if (from < to) return scale_columns_vec(colf, K, from, to, tot);
-  }
-#endif
   using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
   constexpr U kMag = ~(U(1) << (8 * sizeof(T) - 1));
   U live[kC] = {};

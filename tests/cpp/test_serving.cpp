@@ -247,7 +247,6 @@ TEST(ServingOutputs, FreshFinalStateComesFromTheOutputCache) {
 
 }  // namespace
 
-// The decode's last-level cache bound reads sysfs's size strings (serving.cpp, llc_bytes).
 // A V-first decode batch of 25 MB of state traffic reads each head's rows before writing them on
 // AMD CPUs (serving.cpp, vfirst_two_pass; under the L3 here, so not streamed); one sequence alone
 // writes each 16-row block right after reading it. Both orders must give the same bits.
@@ -281,6 +280,7 @@ TEST(ServingDecode, VFirstBitsDoNotDependOnTheBatch) {
   EXPECT_LT(rel(s.narrow(0, 0, 1), s_ref), 2e-5);
 }
 
+// The decode's last-level cache bound reads sysfs's size strings (serving.cpp, llc_bytes).
 TEST(ServingCacheSize, ParsesSysfsSizesAndRejectsOthers) {
   EXPECT_EQ(kda::detail::parse_cache_size("32768K"), int64_t(32) << 20);
   EXPECT_EQ(kda::detail::parse_cache_size("1M"), int64_t(1) << 20);

@@ -367,18 +367,19 @@ void step_kfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t
 }
 
 // ---- one token on a V-first slice: value columns [c, c + w), rows of K elements -----------------
-// u_j = beta_j (v_j - dk_j) and o_j = dq_j + (q . k) u_j of the n value columns from c, with
-// dk_j = (a k) . S_j and dq_j = (a q) . S_j; u is returned broadcast for the rows' write.
+// u_j = beta_j (v_j - dk_j) and o_j = dq_j + (q . k) u_j of the n <= kL<T> value columns from c,
+// with dk_j = (a k) . S_j and dq_j = (a q) . S_j in lane j of dk and dq (lane by lane: the same
+// bits for any n); u is returned broadcast for the rows' write.
 template <typename T>
 inline void vfirst_outputs(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t hv,
-                           int64_t c, int n, const T* dk, const T* dq, vec<T>* u) {
+                           int64_t c, int n, const vec<T>& dk, const vec<T>& dq, vec<T>* u) {
   const int64_t ob = (tok * A.HV + hv) * A.V + c;
-  for (int j = 0; j < n; ++j) {
-    const T b = A.beta_headwise ? beta_cols(A, tok, hv, c + j, 1)[0] : P.beta;
-    const T uj = b * (A.v[ob + j] - dk[j]);
-    A.o[ob + j] = dq[j] + P.qk * uj;
-    u[j] = splat(uj);
-  }
+  const vec<T> b = A.beta_headwise ? beta_cols(A, tok, hv, c, n) : splat(P.beta);
+  const vec<T> uv = b * (vload<T, T>(A.v + ob, n) - dk);
+  vstore<T, T>(A.o + ob, dq + P.qk * uv, n);
+  T us[kL<T>];
+  std::memcpy(us, &uv, sizeof(us));
+  for (int j = 0; j < n; ++j) u[j] = splat(us[j]);
 }
 
 // Columns are taken kColBlock at a time: the vectors of (a k) and (a q) loaded once serve the
@@ -395,6 +396,7 @@ inline void vfirst_cols(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, 
   const int64_t K = A.K;
   const T* pak = P.ak;
   const T* pq = P.q;
+  static_assert(CB <= kL<T>, "vfirst_outputs takes the block's columns in one vector");
   T dk[CB] = {}, dq[CB] = {};
   if (src != nullptr) {
     vec<T> ka[CB], qa[CB];
@@ -416,7 +418,7 @@ inline void vfirst_cols(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, 
     }
   }
   vec<T> u[CB];
-  vfirst_outputs<T>(A, P, tok, hv, c, CB, dk, dq, u);
+  vfirst_outputs<T>(A, P, tok, hv, c, CB, vload<T, T>(dk, CB), vload<T, T>(dq, CB), u);
   if (dst == nullptr) return;
   const T* pa = P.a;
   const T* pk = P.k;
@@ -504,8 +506,7 @@ inline void vfirst_dot_rows(const Prep<T>& P, const Src* src, int64_t sld, vec<T
 // exactly as in vfirst_cols, 4 rows per sweep over K (2 rows with (a k), (a q) held in registers
 // where AVX-512 holds them: vfirst_dot_rows), and the 2 x kL<T> lane sums come out of two
 // transposing reductions (lane_sums_vec) instead of one horizontal sum each: the same bits
-// (lane_reduce.h), ~3 shuffles per row instead of ~8 plus a round trip through the stack. The
-// columns' u and o are then formed as vectors (vfirst_outputs' operations, lane by lane). Where
+// (lane_reduce.h), ~3 shuffles per row instead of ~8 plus a round trip through the stack. Where
 // the state stays in cache (B1 on the 16-core host) the horizontal sums had made V-first 1.1-1.4x
 // slower than K-first.
 template <typename T, typename Src>
@@ -548,14 +549,7 @@ inline void vfirst_lanes_dots(const ServingArgs<T>& A, const Prep<T>& P, int64_t
     dk = lane_sums_vec<T>(zk);
     dq = lane_sums_vec<T>(zq);
   }
-  // vfirst_outputs for the L columns as vectors (the same operations lane by lane).
-  const int64_t ob = (tok * A.HV + hv) * A.V + c;
-  const vec<T> b = A.beta_headwise ? beta_cols(A, tok, hv, c, L) : splat(P.beta);
-  const vec<T> uv = b * (vload<T, T>(A.v + ob, L) - dk);
-  vstore<T, T>(A.o + ob, dq + P.qk * uv, L);
-  T us[L];
-  std::memcpy(us, &uv, sizeof(us));
-  for (int j = 0; j < L; ++j) u[j] = splat(us[j]);
+  vfirst_outputs<T>(A, P, tok, hv, c, L, dk, dq, u);
 }
 
 // The write of L value rows from c, S'_j = a . S_j + u_j k (u from vfirst_lanes_dots).

@@ -141,34 +141,29 @@ inline void transpose_tile(vec_t<T> (&x)[kLanes<T>], const ReduceMasks<T>& M) {
 }
 #endif
 
-// out[j] = the lane sum of Z[j], j < width (16 or 8 columns at a time through the transposing
-// reduction; a fixed order: deterministic).
-template <typename T>
-inline void lane_sums(T* out, const vec_t<T>* Z, int64_t width) {
-  int64_t j = 0;
-#if defined(KDA_HAVE_TRANSPOSE_REDUCE)
-  constexpr int64_t L = kLanes<T>;
-  static const ReduceMasks<T> masks;
-  for (; j + L <= width; j += L) {
-    const vec_t<T> r = transpose_reduce<T>(Z + j, masks);
-    std::memcpy(out + j, &r, sizeof(r));
-  }
-#endif
-  for (; j < width; ++j) out[j] = hsum<T>(Z[j]);
-}
-
-// The lane sums of Z[0..L) as one vector (lane j: hsum(Z[j]), bit for bit), for callers that go
-// on computing with them in a vector.
+// The lane sums of Z[0..L) as one vector (lane j: hsum(Z[j]), bit for bit): the transposing
+// reduction where the compiler has it.
 template <typename T>
 inline vec_t<T> lane_sums_vec(const vec_t<T>* Z) {
 #if defined(KDA_HAVE_TRANSPOSE_REDUCE)
   static const ReduceMasks<T> masks;
   return transpose_reduce<T>(Z, masks);
 #else
-  T out[kLanes<T>];
-  lane_sums<T>(out, Z, kLanes<T>);
   vec_t<T> r;
-  std::memcpy(&r, out, sizeof(r));
+  for (int64_t j = 0; j < kLanes<T>; ++j) r[j] = hsum<T>(Z[j]);
   return r;
 #endif
+}
+
+// out[j] = the lane sum of Z[j], j < width (L columns at a time through lane_sums_vec, the
+// ragged rest one horizontal sum each; a fixed order: deterministic).
+template <typename T>
+inline void lane_sums(T* out, const vec_t<T>* Z, int64_t width) {
+  constexpr int64_t L = kLanes<T>;
+  int64_t j = 0;
+  for (; j + L <= width; j += L) {
+    const vec_t<T> r = lane_sums_vec<T>(Z + j);
+    std::memcpy(out + j, &r, sizeof(r));
+  }
+  for (; j < width; ++j) out[j] = hsum<T>(Z[j]);
 }

@@ -289,3 +289,16 @@ def test_benchmark_json_path_is_checked_before_the_measurements(tmp_path, capsys
             getattr(benchmark, main_name)(["--json", str(bad)])
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_bench_chunk_takes_the_head_dim(tmp_path, capsys):
+    # --chunk once ignored --head-dim and ran K = V = 128.
+    code, out, err = call_main(["bench", "--chunk", "--seq-lens", "64", "--heads", "1", "--head-dim", "16",
+                                "--threads", "1", "--reps", "1", "--out", str(tmp_path / "out")], capsys)
+    if not torch_kda.available_backends()["native"].available:
+        assert code == 2 and "--chunk" in err
+        return
+    assert code == 0, err
+    rows = json.loads((tmp_path / "out" / "chunk.json").read_text())["rows"]
+    assert {r["shape"] for r in rows} == {"B1 T64 H1 K16 V16"}
+    assert "| fp32 | B1 T64 H1 K16 V16 | 1 | fwd |" in out

@@ -37,3 +37,34 @@ def test_both_state_layouts_of_ours_give_the_same_outputs_as_the_oracle():
                               output_final_state=True)
     assert peers._rel_err(o_k, o_ref) < 1e-5
     assert peers._rel_err(s_k, s_ref) < 1e-5
+
+
+def test_peer_shapes_take_the_head_dim_in_prefill_and_decode():
+    # --peers --head-dim 32 once ran K = V = 128 silently (the header said 32).
+    shapes = peers.peer_shapes(seq_lens=[2, 64], heads=[1], head_dim=32, decode_batches=[3])
+    assert [(s.T, s.H, s.K, s.V, s.decode) for s in shapes] == [
+        (2, 1, 32, 32, False), (64, 1, 32, 32, False), (1, 32, 32, 32, True)]
+    assert all(s.B == 1 for s in shapes[:2]) and shapes[2].B == 3
+    assert peers.peer_shapes() == list(peers.PREFILL_SHAPES) + list(peers.DECODE_SHAPES)
+    only_k = peers.peer_shapes(head_dim=64, decode=False)
+    assert [(s.T, s.H, s.K) for s in only_k] == [(4096, 4, 64), (4096, 16, 64)]
+
+
+def test_short_prefills_are_timed_as_several_calls_per_repetition():
+    assert peers.calls_per_rep(Shape(1, 1, 32, 32, decode=True), 20) == 20
+    assert peers.calls_per_rep(Shape(1, 2, 1, 1, 32, 32), 20) == 20
+    assert peers.calls_per_rep(Shape(1, 64, 4, 4, 64, 64), 20) == 12  # 8.4 MFLOP: 12 hold 1e8
+    assert peers.calls_per_rep(Shape(1, 4096, 4, 4), 20) == 1
+
+
+def test_the_peer_table_names_a_head_dim_other_than_128():
+    def timed(impl, T, K, seconds, decode=False):
+        return dict(kind="time", impl=impl, B=1, T=T, H=2, K=K, V=K, decode=decode, threads=1,
+                    seconds=seconds, sys_share=0.0, faults_per_call=0.0)
+    results = [timed("ours", 8, 32, 1e-5), timed("ggml", 8, 32, 2e-5),
+               timed("ours", 8, 128, 1e-4), timed("ggml", 8, 128, 1e-4),
+               dict(kind="gemm", threads=1, gflops=100.0)]
+    text = peers.format_peers(results)
+    assert "| prefill B1 T8 H2 K32 V32, tokens/s | 1 | 800.0K | 400.0K | – | 2.00× |" in text
+    assert "| prefill B1 T8 H2, tokens/s | 1 | 80.0K | 80.0K | – | 1.00× |" in text
+    assert "| B1 T8 H2 K32 V32 | 1 |" in text

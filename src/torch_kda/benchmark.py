@@ -1177,11 +1177,11 @@ CHUNK_QUICK_SEQ_LENS = (1024, 8192)
 def chunk_rows(seq_lens: Sequence[int] = CHUNK_SEQ_LENS, heads: Sequence[int] = (4,),
                threads: Sequence[int] = (1, 2), dtypes: Sequence[str] = ("fp32", "bf16"),
                modes: Sequence[str] = ("fwd", "fwd_bwd"), reps: int = 5,
-               batch: int = 1) -> List[dict]:
+               batch: int = 1, head_dim: int = 128) -> List[dict]:
     """The native chunkwise op (``torch.ops.kda.chunk``) vs the native recurrent op, side by side.
 
     Per (dtype, H, T, threads, mode): both ops interleaved (:func:`_interleaved_medians`), the
-    softplus gate, q/k L2 norm and beta sigmoid in the op, K = V = 128, B = ``batch``. ``fwd`` is
+    softplus gate, q/k L2 norm and beta sigmoid in the op, K = V = ``head_dim``, B = ``batch``. ``fwd`` is
     the forward under ``torch.no_grad()``; ``fwd_bwd`` the forward plus the backward of a random
     output gradient (the chunk op's backward is kda::chunk_bwd where registered, else the
     recurrent backward; both read the same checkpoints). Rates count the recurrent form's FLOPs
@@ -1203,7 +1203,7 @@ def chunk_rows(seq_lens: Sequence[int] = CHUNK_SEQ_LENS, heads: Sequence[int] = 
             for dtype_name in dtypes:
                 for H in heads:
                     for T in seq_lens:
-                        shape = Shape(batch, T, H, H)
+                        shape = Shape(batch, T, H, H, head_dim, head_dim)
                         for mode in modes:
                             rows.append(_chunk_row(shape, dtype_name, n_threads, mode, reps, gemm))
     finally:
@@ -1271,6 +1271,7 @@ def chunk_main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--seq-lens", type=int, nargs="+", default=None)
     p.add_argument("--heads", type=int, nargs="+", default=[4])
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=128, help="K = V (default 128)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     p.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
@@ -1282,7 +1283,7 @@ def chunk_main(argv: Optional[Sequence[str]] = None) -> None:
     reps = args.reps or (3 if args.quick else 5)
     load = os.getloadavg()
     info = machine_info()
-    rows = chunk_rows(seq_lens, args.heads, args.threads, args.dtypes, args.modes, reps, args.batch)
+    rows = chunk_rows(seq_lens, args.heads, args.threads, args.dtypes, args.modes, reps, args.batch, args.head_dim)
     print(f"machine: {info['cpu']} ({info['logical_cpus']} logical CPUs); torch {info['torch']}; "
           f"commit {info['commit']}; threads {args.threads}")
     print(f"chunk state products: TORCH_KDA_CHUNK_PRODUCTS="

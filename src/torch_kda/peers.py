@@ -12,7 +12,7 @@ runs :func:`bench_peers`.
 
 All three get the same inputs, each in its own layout and conventions, converted outside the timed
 region: q and k L2-normalised, the log decay ``g`` (``<= 0``, per key channel), ``beta`` in (0, 1),
-an initial state, ``scale = K**-0.5``, fp32, K = V = 128.
+an initial state, ``scale = K**-0.5``, fp32, K = V (128 unless ``--head-dim`` says otherwise).
 
 - torch-kda: ``fused_recurrent_kda(q, k, v, g, beta, initial_state, output_final_state=True)``,
   ``[B, T, H, *]``, state ``[B, H, K, V]`` or, with ``state_v_first=True``, ``[B, H, V, K]``.
@@ -23,8 +23,8 @@ an initial state, ``scale = K**-0.5``, fp32, K = V = 128.
 
 Before timing, every peer's output and final state are compared with torch-kda's (relative error:
 max |difference| / max |torch-kda|). Timing: in each repetition every (implementation, thread
-count) runs once (decode shapes: ``decode_calls`` calls) before the next repetition starts, so load
-from other processes hits all alike; medians are reported, with the load average at start and end.
+count) runs once before the next repetition starts, so load from other processes hits all alike
+(decode shapes and short prefills: ``decode_calls`` calls back to back, :func:`calls_per_rep`); medians are reported, with the load average at start and end.
 Ratios are peer time / torch-kda time (> 1: torch-kda is faster). Decode shapes also time
 ``copy_`` of a tensor of the state's bytes in the same repetitions (:class:`Copy`): a decode call
 reads and writes its state once, so its state bytes per second as a share of the copy's is how
@@ -50,12 +50,15 @@ import torch_kda
 from torch_kda import reference
 from torch_kda.benchmark import Shape, _find, gemm_gflops, header_line, machine_info, publish
 
-__all__ = ["PREFILL_SHAPES", "DECODE_SHAPES", "peer_inputs", "Ggml", "ExecuTorch", "run_peers",
+__all__ = ["PREFILL_SHAPES", "DECODE_SHAPES", "peer_inputs", "peer_shapes", "calls_per_rep", "Ggml", "ExecuTorch", "run_peers",
            "format_peers", "bench_peers"]
 
 PREFILL_SHAPES = (Shape(1, 4096, 4, 4), Shape(1, 4096, 16, 16))
 DECODE_SHAPES = tuple(Shape(B, 1, 32, 32, decode=True) for B in (1, 8, 64))
 DRIVER_NAME = "libkda_ggml_gdn.so"
+#: Forward FLOPs (``Shape.flops("fwd")``) a repetition of a prefill shape holds at least: about a
+#: millisecond at one core's fp32 GEMM rate.
+MIN_REP_FLOPS = 1e8
 VENV_NAME = "et-venv"
 # A peer whose output differs from torch-kda's by more than this (relative) is reported as a mismatch.
 AGREE_TOL = 1e-3
@@ -81,6 +84,38 @@ def peer_inputs(shape: Shape, seed: int = 0) -> Dict[str, torch.Tensor]:
     return dict(q=reference.l2norm(r(B, T, H, K)), k=reference.l2norm(r(B, T, H, K)), v=r(B, T, H, V),
                 g=reference.kda_gate(r(B, T, H, K), A_log, dt_bias).float().contiguous(),
                 beta=torch.sigmoid(r(B, T, H)), h0=r(B, H, K, V) * 0.1)
+
+
+def peer_shapes(seq_lens: Optional[Sequence[int]] = None, heads: Optional[Sequence[int]] = None,
+                head_dim: Optional[int] = None, decode_batches: Optional[Sequence[int]] = None,
+                decode: bool = True) -> List[Shape]:
+    """The shapes of a peers run: ``PREFILL_SHAPES`` and ``DECODE_SHAPES`` unless a grid is given.
+
+    Prefill: B = 1, every T of ``seq_lens`` (default 4096) x every H = HV of ``heads`` (default 4,
+    16); decode: B of ``decode_batches`` (default 1, 8, 64) at H = 32, dropped when ``decode`` is
+    False. K = V = ``head_dim`` (default 128) in both.
+    """
+    K = head_dim or 128
+    shapes = list(PREFILL_SHAPES)
+    if seq_lens or heads or head_dim:
+        shapes = [Shape(1, T, H, H, K, K) for H in (heads or [4, 16]) for T in (seq_lens or [4096])]
+    if decode:
+        shapes += [Shape(B, 1, 32, 32, K, K, decode=True) for B in (decode_batches or [1, 8, 64])]
+    return shapes
+
+
+def calls_per_rep(shape: Shape, most: int) -> int:
+    """Calls of each implementation per repetition: ``most`` for a decode shape; for a prefill shape
+    enough to hold ``MIN_REP_FLOPS`` (at least 1, at most ``most``).
+
+    One call of a short prefill (B1 T2 H1 K32: ~16 KFLOP, microseconds) is dominated by what ran
+    before it: timed alone right after the other implementations, torch-kda's call read 4-5x its
+    warm time and ggml's 2x. Back-to-back calls time each implementation warm, as a model that
+    calls it layer after layer would.
+    """
+    if shape.decode:
+        return most
+    return int(min(most, max(1, -(-MIN_REP_FLOPS // shape.flops("fwd")))))
 
 
 def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -329,7 +364,7 @@ def run_peers(peers_dir: str, shapes: Sequence[Shape] = PREFILL_SHAPES + DECODE_
                 for n in threads:
                     torch.set_num_threads(n)
                     gemm[n].append(gemm_gflops())
-                calls = decode_calls if shape.decode else 1
+                calls = calls_per_rep(shape, decode_calls)
                 times: Dict[Tuple[str, int], List[float]] = {(m, n): [] for m in impls for n in threads}
                 log(f"{shape.name}: {len(times)} measurements x {reps} reps")
                 for rep in range(reps + 1):  # repetition 0 warms every configuration up
@@ -387,13 +422,14 @@ def format_peers(results: List[dict]) -> str:
                 get = {m: _find(timed, impl=m, threads=n, **sd) for m in (ours, "ggml", "executorch")}
                 if get[ours] is None:
                     continue
+                dims = "" if (K, V) == (128, 128) else f" K{K} V{V}"  # as Shape.name
                 if dec:
-                    case = f"decode B{B} H{H}" + (", state V-first" if ours == "ours_vfirst" else ", state K-first") + \
-                        ", µs/call"
+                    case = f"decode B{B} H{H}{dims}" + (", state V-first" if ours == "ours_vfirst" else
+                                                        ", state K-first") + ", µs/call"
                     cell = lambda r: f"{r['seconds'] * 1e6:,.0f}" if r else "–"
                 else:
                     tk = f"{T // 1024}K" if T % 1024 == 0 else str(T)
-                    case = f"prefill B{B} T{tk} H{H}, tokens/s"
+                    case = f"prefill B{B} T{tk} H{H}{dims}, tokens/s"
                     cell = lambda r: f"{B * T / r['seconds'] / 1e3:,.1f}K" if r else "–"
                 ratio = lambda r: f"{r['seconds'] / get[ours]['seconds']:.2f}×" if r else "–"
                 pct = ""
@@ -415,8 +451,8 @@ def format_peers(results: List[dict]) -> str:
         out.append("| torch-kda (state K-first) | thr | system (kernel) share of its CPU time | minor page faults per call |")
         out.append("|---|---|---|---|")
         for r in ours:
-            tk = f"T{r['T']}"
-            out.append(f"| B{r['B']} {tk} H{r['H']} | {r['threads']} | {100 * r['sys_share']:.1f}% | "
+            dims = "" if (r["K"], r["V"]) == (128, 128) else f" K{r['K']} V{r['V']}"
+            out.append(f"| B{r['B']} T{r['T']} H{r['H']}{dims} | {r['threads']} | {100 * r['sys_share']:.1f}% | "
                        f"{r['faults_per_call']:,.0f} |")
         out.append("")
     agree = [r for r in results if r["kind"] == "agree"]

@@ -87,11 +87,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--peers: the native backend is unavailable here: {status['native'].reason}")
         out = output_dir(args.out)
         try:
-            shapes = list(peers.PREFILL_SHAPES)
-            if args.seq_lens or args.heads:
-                shapes = [benchmark.Shape(1, T, H, H) for H in (args.heads or [4, 16]) for T in (args.seq_lens or [4096])]
-            shapes += [benchmark.Shape(B, 1, 32, 32, decode=True) for B in (args.decode_batches or [1, 8, 64])
-                       ] if not args.no_decode else []
+            shapes = peers.peer_shapes(args.seq_lens, args.heads, args.head_dim, args.decode_batches,
+                                       decode=not args.no_decode)
             peers.bench_peers(args.peers, _command(args), threads=args.threads or benchmark.default_threads(),
                               reps=args.reps or 5, shapes=shapes, out_md=str(out / "peers.md"),
                               out_json=str(out / "peers.json"))
@@ -105,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         seq_lens = args.seq_lens or (benchmark.CHUNK_QUICK_SEQ_LENS if args.quick
                                      else benchmark.CHUNK_SEQ_LENS)
         rows = benchmark.chunk_rows(seq_lens, args.heads or [4], args.threads or benchmark.default_threads(),
-                                    reps=args.reps or (3 if args.quick else 5))
+                                    reps=args.reps or (3 if args.quick else 5), head_dim=args.head_dim or 128)
         text = f"{_command(args)}\n\n{benchmark.format_chunk(rows)}\n"
         print(text)
         (out / "chunk.md").write_text(text)

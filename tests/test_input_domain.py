@@ -187,6 +187,45 @@ def test_nan_log_decay_propagates_instead_of_raising(backend):
     assert torch.isnan(o[0, 4:]).any() and torch.isfinite(o[0, :4]).all()
 
 
+@pytest.mark.parametrize("T", [1, 2, 5])  # the decode kernels up to 4 tokens, the general ones past
+@pytest.mark.parametrize("source", ["A_log", "dt_bias", "g", "log decay", "q", "k", "v", "beta"])
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("initial", ["none", "zeros"])
+def test_nan_reaches_the_same_outputs_as_in_the_reference(T, source, v_first, initial):
+    # A NaN in any input reaches the same entries of o and of the final state in the native op
+    # as in the reference, also from no initial state, where the decode kernels skip the products
+    # with the zero state in which the NaN would have met a zero (it once stayed out of a
+    # one-token call's results there).
+    B, H, HV, K, V = 2, 2, 4, 16, 24
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
+    v, beta = torch.randn(B, T, HV, V, generator=gen), torch.randn(B, T, HV, generator=gen)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True,
+              state_v_first=v_first)
+    if source == "log decay":  # g given as a log decay, no gate in the op
+        g = -torch.rand(B, T, HV, K, generator=gen)
+    else:
+        g = torch.randn(B, T, HV, K, generator=gen)
+        kw.update(use_gate_in_kernel=True, A_log=torch.rand(HV, generator=gen),
+                  dt_bias=torch.randn(HV * K, generator=gen) * 0.1)
+    if source == "A_log":
+        kw["A_log"][1] = float("nan")
+    elif source == "dt_bias":
+        kw["dt_bias"][HV * K // 2 + 3] = float("nan")
+    else:
+        x = {"g": g, "log decay": g, "q": q, "k": k, "v": v, "beta": beta}[source]
+        x[1, 0, 1] = float("nan")  # sequence 1, token 0, head 1 (all of its channels)
+    if initial == "zeros":
+        kw["initial_state"] = torch.zeros(B, HV, V, K) if v_first else torch.zeros(B, HV, K, V)
+    with torch.no_grad():
+        o, s = torch_kda.fused_recurrent_kda(q, k, v, g, beta, backend="native", **kw)
+        o_ref, s_ref = torch_kda.fused_recurrent_kda(q, k, v, g, beta, backend="reference", **kw)
+    assert o_ref.isnan().any()
+    if source not in ("A_log", "dt_bias"):  # (those two are every sequence's)
+        assert torch.isfinite(o_ref[0]).all()  # it reached sequence 1 only
+    assert torch.equal(o.isnan(), o_ref.isnan()) and torch.equal(s.isnan(), s_ref.isnan())
+
+
 def _op_args(p, **changes):
     names = ("scale", "initial_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
              "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "state_v_first",

@@ -317,10 +317,10 @@ def _forward_only(x: KDAInputs) -> None:
     if torch.is_grad_enabled():
         name = _any_requires_grad(x)
         if name is not None:
-            raise ValueError(f"backend='native' runs the serving arguments (ssm_state_indices, "
-                             f"inplace_final_state, out=, head-wise beta, "
-                             f"return_intermediate_states) forward only, but {name} requires "
-                             "grad; use backend='reference' for gradients")
+            raise ValueError(f"the native CPU kernels (backend='native', and backend='auto' on CPU) "
+                             f"run the serving arguments (ssm_state_indices, inplace_final_state, "
+                             f"out=, head-wise beta, return_intermediate_states) forward only, but "
+                             f"{name} requires grad; use backend='reference' for gradients")
 
 
 def serving(x: KDAInputs, s: ServingArgs):

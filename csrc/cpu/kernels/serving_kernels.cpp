@@ -16,9 +16,11 @@
 #include "cpu/kernels/serving_kernels.h"
 #include "cpu/kernels/vec_math.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #if defined(__AVX2__)
@@ -242,6 +244,11 @@ struct Prep {
   T* ak;  // [K] a * khat
   T qk;   // qhat . khat * scale
   T beta; // scalar beta (unused when head-wise)
+  // What the products of ak and of q with a zero state give: +0, or NaN where ak / q holds a NaN
+  // (from q, k, g, A_log or dt_bias). A unit that starts from zeros skips those products; these
+  // stand in for them, so a NaN spreads as it does in the general kernels and the reference
+  // (docs/bad_inputs.md: NaN propagates to its own sequence).
+  T zero_k, zero_q;
   mutable Ahead next{};  // the block to prefetch while this one is read (decode only)
   bool two_pass = false;  // V-first: ServingArgs::vfirst_two_pass, decode only (vfirst_block)
 };
@@ -270,6 +277,7 @@ void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
   const GateRate<T> rate = gate_rate(A.expA, hv);
   const bool rate_inf = __builtin_isinf(rate.rate);
   vec<T> qk{};
+  decltype(qk != qk) nan_k{}, nan_q{};
   for (int64_t i = 0; i < K; i += kL<T>) {
     const int64_t m = K - i;
     vec<T> z = vload<T, T>(g + i, m);
@@ -292,12 +300,20 @@ void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
     const vec<T> qv = vload<T, T>(q + i, m) * qs;
     const vec<T> kv = vload<T, T>(k + i, m) * ks;
     qk += qv * kv;
-    vstore<T, T>(P.q + i, qv * a, m);
+    const vec<T> qa = qv * a, ak = a * kv;  // (lanes past m: zeros, never NaN)
+    nan_q |= qa != qa;
+    nan_k |= ak != ak;
+    vstore<T, T>(P.q + i, qa, m);
     vstore<T, T>(P.k + i, kv, m);
     vstore<T, T>(P.a + i, a, m);
-    vstore<T, T>(P.ak + i, a * kv, m);
+    vstore<T, T>(P.ak + i, ak, m);
   }
   P.qk = hsum<T>(qk);
+  P.zero_k = P.zero_q = static_cast<T>(0);
+  for (int l = 0; l < kL<T>; ++l) {
+    if (nan_k[l]) P.zero_k = std::numeric_limits<T>::quiet_NaN();
+    if (nan_q[l]) P.zero_q = std::numeric_limits<T>::quiet_NaN();
+  }
   if (!A.beta_headwise) {
     T b = A.beta[tok * A.HV + hv];
     if (A.beta_sigmoid) b = vsigmoid(splat<T>(b))[0] * A.beta_mult;
@@ -324,7 +340,10 @@ void step_kfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t
   const int64_t K = A.K;
   auto cnt = [&](int j) -> int64_t { return Full ? L : w - j * L; };
   vec<T> accK[NV], accQ[NV];
-  for (int j = 0; j < NV; ++j) accK[j] = accQ[j] = vec<T>{};
+  for (int j = 0; j < NV; ++j) {
+    accK[j] = splat(P.zero_k);  // +0 but for a NaN (Prep::zero_k)
+    accQ[j] = splat(P.zero_q);
+  }
   if (src != nullptr) {
     for (int64_t r = 0; r < K; ++r) {
       const vec<T> ak = splat(P.ak[r]), qa = splat(P.q[r]);
@@ -397,7 +416,9 @@ inline void vfirst_cols(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, 
   const T* pak = P.ak;
   const T* pq = P.q;
   static_assert(CB <= kL<T>, "vfirst_outputs takes the block's columns in one vector");
-  T dk[CB] = {}, dq[CB] = {};
+  T dk[CB], dq[CB];
+  std::fill(dk, dk + CB, P.zero_k);  // a zero state's (Prep::zero_k)
+  std::fill(dq, dq + CB, P.zero_q);
   if (src != nullptr) {
     vec<T> ka[CB], qa[CB];
     for (int j = 0; j < CB; ++j) ka[j] = qa[j] = vec<T>{};
@@ -518,7 +539,7 @@ inline void vfirst_lanes_dots(const ServingArgs<T>& A, const Prep<T>& P, int64_t
   constexpr int G = L < 4 ? static_cast<int>(L) : 4;
   static_assert(L % G == 0, "the sweeps must tile the L columns");
   const int64_t K = A.K;
-  vec<T> dk{}, dq{};
+  vec<T> dk = splat(P.zero_k), dq = splat(P.zero_q);  // a zero state's (Prep::zero_k)
   if (src != nullptr) {
     vec<T> zk[L], zq[L];
 #if defined(__AVX512F__)
@@ -774,7 +795,7 @@ void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int6
     heap = new Buffer<T>(4 * K);
     pb = heap->p;
   }
-  Prep<T> P{pb, pb + K, pb + 2 * K, pb + 3 * K, 0, 0};
+  Prep<T> P{pb, pb + K, pb + 2 * K, pb + 3 * K, 0, 0, 0, 0};
   if (Tn == 1) {  // decode: read the slice once, write it once, straight from src to its target
     prep_token<T>(A, t0, hv, P);
     P.two_pass = A.vfirst_two_pass;

@@ -326,14 +326,15 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent_cpu(KDA_OP_ARGS) {
   const Inputs in = KDA_OP_INPUTS;
   check_cpu(kRec, in);
   {
-    // Decode (one token per sequence): the serving kernels read each state slice once and write
-    // the fresh final state once, in either layout, without transposed copies.
+    // Decode and short prefills (at most kShortCallTokens tokens per sequence): the serving
+    // kernels read each state slice once and write the fresh final state once, in either layout,
+    // without transposed copies, and skip the general path's fixed costs (serving.h).
     const Config cfg = KDA_OP_CONFIG(kRec);
     const Dims d = check_inputs(in, cfg, /*check_values=*/true);
-    // TORCH_KDA_DECODE_KERNEL=recurrent keeps decode calls on the general recurrent kernels
+    // TORCH_KDA_DECODE_KERNEL=recurrent keeps these calls on the general recurrent kernels
     // (benchmarks compare the two paths side by side; tests check they agree).
     const bool general = env_knob("TORCH_KDA_DECODE_KERNEL", {"recurrent"}) != nullptr;
-    if (!general && is_decode_call(in, d)) {
+    if (!general && is_short_call(in, d)) {
       check_domain(in, cfg, d);  // the serving kernels pre-process inside their units
       // o and the fresh final state reuse freed blocks of earlier calls (csrc/cpu/output_cache.h):
       // a decode loop's final state (128 MB at B64 H32) is then not faulted in anew every call.

@@ -229,6 +229,41 @@ def test_plain_decode_matches_oracle_in_both_layouts(v_first, K, V):
     assert s.shape == p.kwargs["initial_state"].shape
 
 
+@pytest.mark.parametrize("T", [2, 3, 4])
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("gate", ["none", "softplus", "bounded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_plain_calls_run_the_decode_kernels_token_by_token(T, v_first, gate, dtype):
+    # Up to 4 tokens per sequence a plain call runs on the serving kernels (csrc/cpu/serving.h,
+    # kShortCallTokens), which carry each state slice from token to token exactly: bitwise the
+    # chain of T one-token decode calls, and within fp32 rounding of the float64 oracle.
+    p = make_problem(B=3, T=T, H=2, HV=4, K=32, V=40, seed=11, state_v_first=v_first, gate=gate
+                     ).to(torch.float32)
+    args = [x.to(dtype) if x.is_floating_point() and x.dim() >= 3 else x for x in p.args]
+    with torch.no_grad():
+        o, s = torch_kda.fused_recurrent_kda(*args, **p.kwargs, backend="native")
+        state, steps = p.kwargs["initial_state"], []
+        for t in range(T):
+            o_t, state = torch_kda.fused_recurrent_kda(*[x[:, t:t + 1] for x in args],
+                                                       **{**p.kwargs, "initial_state": state},
+                                                       backend="native")
+            steps.append(o_t)
+    assert torch.equal(o, torch.cat(steps, 1)) and torch.equal(s, state)
+    o_ref, s_ref = oracle_kda(*args, **p.kwargs)
+    tol = TOL if dtype == torch.float32 else 1e-2  # bf16 o: one rounding of each output
+    assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < TOL
+
+
+def test_short_packed_sequences_match_the_oracle():
+    # cu_seqlens with sequences of 1-4 tokens (the serving kernels) and one of 5 (the general ones).
+    for lens in ([1, 4, 2, 3], [4, 5, 1]):
+        p = make_problem(B=1, T=sum(lens), H=2, HV=4, K=24, V=20, seed=5, seqlens=lens).to(torch.float32)
+        with torch.no_grad():
+            o, s = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="native")
+        o_ref, s_ref = oracle_kda(*p.args, **p.kwargs)
+        assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL, lens
+
+
 @pytest.mark.parametrize("gate", ["none", "bounded"])
 def test_native_serving_bitwise_identical_for_any_thread_count(gate):
     p = make_problem(B=5, T=1, H=2, HV=4, K=32, V=48, seed=13, gate=gate, initial_state=False,

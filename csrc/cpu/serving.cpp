@@ -222,13 +222,13 @@ ServingPlan plain_plan(const Inputs& in, const Dims& d) {
   return p;
 }
 
-bool is_decode_call(const Inputs& in, const Dims& d) {
+bool is_short_call(const Inputs& in, const Dims& d) {
   if (d.T == 0) return false;
-  if (!d.varlen) return d.T == 1;
+  if (!d.varlen) return d.T <= kShortCallTokens;
   const auto cu = in.cu_seqlens->to(at::kLong).contiguous();
   const int64_t* c = cu.data_ptr<int64_t>();
   for (int64_t n = 0; n < d.N; ++n) {
-    if (c[n + 1] - c[n] > 1) return false;
+    if (c[n + 1] - c[n] > kShortCallTokens) return false;
   }
   return true;
 }

@@ -35,9 +35,19 @@ void serving_cpu(const Inputs& in, const Config& cfg, const Dims& d, const Servi
 // final state goes to row n of a fresh tensor.
 ServingPlan plain_plan(const Inputs& in, const Dims& d);
 
-// True when every sequence of the call has at most one token and at least one has one: the
-// decode fast path of serving_cpu is then used for a plain fused_recurrent call too.
-bool is_decode_call(const Inputs& in, const Dims& d);
+// Tokens per sequence up to which a plain fused_recurrent call runs on the serving kernels: decode
+// (one token) and short prefills. Each unit of those keeps its state slice in registers across
+// its tokens, with no pre-processing pass, token blocks or workspaces; per token it costs more
+// than the general kernels (no pass vectorised over tokens), so past a few tokens the general
+// ones win. Measured from C++ (kda::fused_recurrent, one thread, 2-core Zen 4 box): the serving
+// kernels took 0.43-0.50x the general kernels' time at T = 2 and 0.50-0.91x at T = 4 with one or
+// four heads of K = V = 32, 0.77-0.92x at T = 2 and 0.90-1.0x at T = 4 at K = V = 128 (even at
+// H = 32), and at T = 8 were even to 2% slower at K = V = 128 (docs/benchmarks.md, "Short calls").
+constexpr int64_t kShortCallTokens = 4;
+
+// True when every sequence of the call has at most kShortCallTokens tokens and at least one has
+// one: serving_cpu then runs a plain fused_recurrent call (decode and short prefills).
+bool is_short_call(const Inputs& in, const Dims& d);
 
 // The domain checks of the decode and serving paths (docs/bad_inputs.md rows 46-47: g <= 0
 // without the in-op gate, beta in [0, 2] without the in-op sigmoid, head-wise beta too): their

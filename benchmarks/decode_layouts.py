@@ -2,8 +2,10 @@
 
     python benchmarks/decode_layouts.py [THREADS ...]      # default: 1 2 4 8 16
     H=8 BS="1 16" CPU_TIME=1 python benchmarks/decode_layouts.py 1
+    K=48 BS="1 8" python benchmarks/decode_layouts.py 1
 
-One token per sequence, H heads (default 32), K = V = 128, fp32, a state in and out (no pool).
+One token per sequence, H heads (default 32), K = V (default 128), fp32, a state in and out (no
+pool).
 Per (threads, batch) it times four calls in interleaved blocks (11 blocks, alternating order):
 `torch.ops.kda.fused_recurrent` with a K-first and a V-first state ("raw_k", "raw_v") and
 `fused_recurrent_kda(backend="native")` ("api_k", "api_v"), and prints the median and minimum
@@ -13,7 +15,7 @@ CPU_TIME=1: process CPU time instead of wall time (for one thread on a loaded ma
 import os, statistics, sys, time, torch, torch_kda
 ops = torch.ops.kda
 TIMER = time.process_time if os.environ.get("CPU_TIME") else time.perf_counter
-K = 128
+K = int(os.environ.get("K", 128))
 H = int(os.environ.get("H", 32))
 for th in [int(x) for x in (sys.argv[1:] or ["1", "2", "4", "8", "16"])]:
     torch.set_num_threads(th)

@@ -48,14 +48,15 @@ _CHECK = textwrap.dedent(
                 failures.append((str(dtype), headwise_beta))
             if not (torch.isfinite(o).all() and torch.isfinite(s).all()):
                 failures.append(("not finite", str(dtype), headwise_beta))
-    # Against the float64 oracle, K = V = 128 and K = 96 (AVX-512: whole rows of 8 vectors in
-    # registers, or the general loop; AVX2: pieces of 4 vectors), K-first beside, in-op gate and
-    # sigmoid beta, functional call and a pool updated in place.
+    # Against the float64 oracle, K-first beside, in-op gate and sigmoid beta, functional call
+    # and a pool updated in place. V-first rows of K = 1-8 whole vectors in registers under
+    # AVX-512 (K = 16, 32, 48, 96, 128), pieces of 4 vectors under AVX2; K-first passes of whole
+    # vectors (V = 48: 32 + 16 columns, 80: 64 + 16, 96: 64 + 32).
     from oracle import oracle_kda
     for dtype, tol in ((torch.float32, 2e-5), (torch.float64, 1e-12)):
-        for K in (128, 96):
+        for K, V in ((128, 128), (96, 128), (32, 48), (48, 96), (16, 80)):
             for v_first in (False, True):
-                B, H, V = 3, 2, 128
+                B, H = 3, 2
                 q, k = torch.randn(B, 1, H, K, dtype=dtype), torch.randn(B, 1, H, K, dtype=dtype)
                 v, g = torch.randn(B, 1, H, V, dtype=dtype), torch.randn(B, 1, H, K, dtype=dtype)
                 beta = torch.randn(B, 1, H, dtype=dtype)

@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 
 #if defined(__AVX2__)
@@ -244,11 +243,6 @@ struct Prep {
   T* ak;  // [K] a * khat
   T qk;   // qhat . khat * scale
   T beta; // scalar beta (unused when head-wise)
-  // What the products of ak and of q with a zero state give: +0, or NaN where ak / q holds a NaN
-  // (from q, k, g, A_log or dt_bias). A unit that starts from zeros skips those products; these
-  // stand in for them, so a NaN spreads as it does in the general kernels and the reference
-  // (docs/bad_inputs.md: NaN propagates to its own sequence).
-  T zero_k, zero_q;
   mutable Ahead next{};  // the block to prefetch while this one is read (decode only)
   bool two_pass = false;  // V-first: ServingArgs::vfirst_two_pass, decode only (vfirst_block)
 };
@@ -277,7 +271,6 @@ void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
   const GateRate<T> rate = gate_rate(A.expA, hv);
   const bool rate_inf = __builtin_isinf(rate.rate);
   vec<T> qk{};
-  decltype(qk != qk) nan_k{}, nan_q{};
   for (int64_t i = 0; i < K; i += kL<T>) {
     const int64_t m = K - i;
     vec<T> z = vload<T, T>(g + i, m);
@@ -300,20 +293,12 @@ void prep_token(const ServingArgs<T>& A, int64_t tok, int64_t hv, Prep<T>& P) {
     const vec<T> qv = vload<T, T>(q + i, m) * qs;
     const vec<T> kv = vload<T, T>(k + i, m) * ks;
     qk += qv * kv;
-    const vec<T> qa = qv * a, ak = a * kv;  // (lanes past m: zeros, never NaN)
-    nan_q |= qa != qa;
-    nan_k |= ak != ak;
-    vstore<T, T>(P.q + i, qa, m);
+    vstore<T, T>(P.q + i, qv * a, m);
     vstore<T, T>(P.k + i, kv, m);
     vstore<T, T>(P.a + i, a, m);
-    vstore<T, T>(P.ak + i, ak, m);
+    vstore<T, T>(P.ak + i, a * kv, m);
   }
   P.qk = hsum<T>(qk);
-  P.zero_k = P.zero_q = static_cast<T>(0);
-  for (int l = 0; l < kL<T>; ++l) {
-    if (nan_k[l]) P.zero_k = std::numeric_limits<T>::quiet_NaN();
-    if (nan_q[l]) P.zero_q = std::numeric_limits<T>::quiet_NaN();
-  }
   if (!A.beta_headwise) {
     T b = A.beta[tok * A.HV + hv];
     if (A.beta_sigmoid) b = vsigmoid(splat<T>(b))[0] * A.beta_mult;
@@ -329,6 +314,21 @@ inline vec<T> beta_cols(const ServingArgs<T>& A, int64_t tok, int64_t hv, int64_
   return b;
 }
 
+// What the products of x [K] (the decayed key or query) with a zero state give: +0, or NaN where
+// x holds a NaN or an infinity (x - x is +0 for every finite x, and a sum of +0s is +0). A unit
+// that starts from a zero state skips those products; this stands in for them, so a NaN spreads
+// as it does in the general kernels and the reference (docs/bad_inputs.md: NaN propagates to its
+// own sequence), and a finite input keeps its bits.
+template <typename T>
+inline T zero_state_product(const T* x, int64_t K) {
+  vec<T> acc{};
+  for (int64_t i = 0; i < K; i += kL<T>) {
+    const vec<T> t = vload<T, T>(x + i, K - i);  // (lanes past K: zeros)
+    acc += t - t;
+  }
+  return hsum<T>(acc);
+}
+
 // ---- one token on a K-first slice: columns [c, c + w), w <= NV * lanes --------------------------
 // src/dst point at S[0][c] with row strides sld/dld; src == nullptr: a zero state; dst == nullptr:
 // the state is not kept. Full: w == NV * lanes, so every load is one full vector (the hot path:
@@ -340,11 +340,14 @@ void step_kfirst(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t
   const int64_t K = A.K;
   auto cnt = [&](int j) -> int64_t { return Full ? L : w - j * L; };
   vec<T> accK[NV], accQ[NV];
-  for (int j = 0; j < NV; ++j) {
-    accK[j] = splat(P.zero_k);  // +0 but for a NaN (Prep::zero_k)
-    accQ[j] = splat(P.zero_q);
-  }
-  if (src != nullptr) {
+  for (int j = 0; j < NV; ++j) accK[j] = accQ[j] = vec<T>{};
+  if (src == nullptr) {
+    const vec<T> zk = splat(zero_state_product(P.ak, K)), zq = splat(zero_state_product(P.q, K));
+    for (int j = 0; j < NV; ++j) {
+      accK[j] = zk;
+      accQ[j] = zq;
+    }
+  } else {
     for (int64_t r = 0; r < K; ++r) {
       const vec<T> ak = splat(P.ak[r]), qa = splat(P.q[r]);
       const Src* row = src + r * sld;
@@ -416,10 +419,11 @@ inline void vfirst_cols(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, 
   const T* pak = P.ak;
   const T* pq = P.q;
   static_assert(CB <= kL<T>, "vfirst_outputs takes the block's columns in one vector");
-  T dk[CB], dq[CB];
-  std::fill(dk, dk + CB, P.zero_k);  // a zero state's (Prep::zero_k)
-  std::fill(dq, dq + CB, P.zero_q);
-  if (src != nullptr) {
+  T dk[CB] = {}, dq[CB] = {};
+  if (src == nullptr) {
+    std::fill(dk, dk + CB, zero_state_product(pak, K));
+    std::fill(dq, dq + CB, zero_state_product(pq, K));
+  } else {
     vec<T> ka[CB], qa[CB];
     for (int j = 0; j < CB; ++j) ka[j] = qa[j] = vec<T>{};
     for (int64_t i = 0; i < K; i += L) {
@@ -459,6 +463,23 @@ inline void vfirst_cols(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, 
       const vec<T> s = vload<T, Src>(src + j * sld + i, m);
       vput<NT, T, Dst>(dst + j * dld + i, a * s + u[j] * kk, m);
     }
+  }
+}
+
+// f(std::integral_constant<int, n>{}) for n in [1, 8] (a count of vectors as a template
+// argument); false, and nothing run, for any other n.
+template <typename F>
+inline bool with_vectors(int64_t n, F&& f) {
+  switch (n) {
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 3: f(std::integral_constant<int, 3>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    case 5: f(std::integral_constant<int, 5>{}); return true;
+    case 6: f(std::integral_constant<int, 6>{}); return true;
+    case 7: f(std::integral_constant<int, 7>{}); return true;
+    case 8: f(std::integral_constant<int, 8>{}); return true;
+    default: return false;
   }
 }
 
@@ -539,17 +560,24 @@ inline void vfirst_lanes_dots(const ServingArgs<T>& A, const Prep<T>& P, int64_t
   constexpr int G = L < 4 ? static_cast<int>(L) : 4;
   static_assert(L % G == 0, "the sweeps must tile the L columns");
   const int64_t K = A.K;
-  vec<T> dk = splat(P.zero_k), dq = splat(P.zero_q);  // a zero state's (Prep::zero_k)
-  if (src != nullptr) {
+  vec<T> dk{}, dq{};
+  if (src == nullptr) {
+    dk = splat(zero_state_product(P.ak, K));
+    dq = splat(zero_state_product(P.q, K));
+  } else {
     vec<T> zk[L], zq[L];
+    bool done = false;
 #if defined(__AVX512F__)
-    if (K == 8 * L) {
-      vfirst_dot_rows<8, T, Src>(P, src, sld, zk, zq);
-    } else if (K == 4 * L) {
-      vfirst_dot_rows<4, T, Src>(P, src, sld, zk, zq);
-    } else
+    // K of 1-8 whole vectors: (a k) and (a q) in at most 16 of the 32 registers. At K = 32 and
+    // 64 (2 and 4 vectors) the loop below had made V-first decode 1.45-1.65x and 1.2-1.3x
+    // K-first's time with the state in cache (B1 / B8, H32, one Zen 4 core).
+    if (K % L == 0) {
+      done = with_vectors(K / L, [&](auto nv) {
+        vfirst_dot_rows<decltype(nv)::value, T, Src>(P, src, sld, zk, zq);
+      });
+    }
 #endif
-    for (int64_t j0 = 0; j0 < L; j0 += G) {
+    for (int64_t j0 = 0; !done && j0 < L; j0 += G) {
       vec<T> ka[G], qa[G];
       for (int j = 0; j < G; ++j) ka[j] = qa[j] = vec<T>{};
       for (int64_t i = 0; i < K; i += L) {
@@ -587,8 +615,12 @@ inline void vfirst_lanes_write(const ServingArgs<T>& A, const Prep<T>& P, const 
     return;
   }
 #if defined(__AVX512F__)
-  if (K == 8 * L) return vfirst_write_rows<8, T, NT, Src, Dst>(P, u, src, sld, dst, dld, K);
-  if (K == 4 * L) return vfirst_write_rows<4, T, NT, Src, Dst>(P, u, src, sld, dst, dld, K);
+  if (K % L == 0 && with_vectors(K / L, [&](auto cv) {
+        vfirst_write_rows<decltype(cv)::value, T, NT, Src, Dst>(P, u, src, sld, dst, dld, K);
+      })) {
+    return;
+  }
+  if (K % (8 * L) == 0) return vfirst_write_rows<8, T, NT, Src, Dst>(P, u, src, sld, dst, dld, K);
 #elif defined(__AVX2__)
   if (K % (4 * L) == 0) return vfirst_write_rows<4, T, NT, Src, Dst>(P, u, src, sld, dst, dld, K);
 #endif
@@ -670,23 +702,32 @@ void step_impl(const ServingArgs<T>& A, const Prep<T>& P, int64_t tok, int64_t h
                              dst ? dst + c0 * dld : nullptr, dld);
     return;
   }
-  for (int64_t c = c0; c < c1; c += kMaxNV * L) {
-    const int64_t w = imin(kMaxNV * L, c1 - c);
+  // Passes of whole vectors, the widest that fit (kMaxNV, 4, 2, 1), then a ragged rest of fewer
+  // than L columns: each column's sums are the same in any pass. One ragged pass over all of
+  // w had FMAs on empty vectors: at V = 48 (3 of 8 vectors) K-first decode took 1.9-2.2x
+  // V-first's time (B1 / B8, H32, K = 48, one Zen 4 core).
+  for (int64_t c = c0; c < c1;) {
+    const int64_t left = c1 - c;
     const Src* s = src ? src + c : nullptr;
     Dst* d = dst ? dst + c : nullptr;
-    if (w == kMaxNV * L) {
+    int64_t w;
+    if (left >= kMaxNV * L) {
+      w = kMaxNV * L;
       step_kfirst<T, kMaxNV, true, NT, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
-    } else if (kMaxNV > 4 && w == 4 * L) {
+    } else if (kMaxNV > 4 && left >= 4 * L) {
+      w = 4 * L;
       step_kfirst<T, (kMaxNV > 4 ? 4 : 2), true, NT, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
-    } else if (w == 2 * L) {
+    } else if (left >= 2 * L) {
+      w = 2 * L;
       step_kfirst<T, 2, true, NT, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
-    } else if (w == L) {
+    } else if (left >= L) {
+      w = L;
       step_kfirst<T, 1, true, NT, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
-    } else if (w > 2 * L) {
-      step_kfirst<T, kMaxNV, false, false, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
     } else {
-      step_kfirst<T, 2, false, false, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
+      w = left;
+      step_kfirst<T, 1, false, false, Src, Dst>(A, P, tok, hv, c, w, s, sld, d, dld);
     }
+    c += w;
   }
 }
 
@@ -795,7 +836,7 @@ void unit_typed(const ServingArgs<T>& A, int64_t n, int64_t hv, int64_t c0, int6
     heap = new Buffer<T>(4 * K);
     pb = heap->p;
   }
-  Prep<T> P{pb, pb + K, pb + 2 * K, pb + 3 * K, 0, 0, 0, 0};
+  Prep<T> P{pb, pb + K, pb + 2 * K, pb + 3 * K, 0, 0};
   if (Tn == 1) {  // decode: read the slice once, write it once, straight from src to its target
     prep_token<T>(A, t0, hv, P);
     P.two_pass = A.vfirst_two_pass;

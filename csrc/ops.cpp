@@ -326,9 +326,9 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent_cpu(KDA_OP_ARGS) {
   const Inputs in = KDA_OP_INPUTS;
   check_cpu(kRec, in);
   {
-    // Decode and short prefills (at most kShortCallTokens tokens per sequence): the serving
-    // kernels read each state slice once and write the fresh final state once, in either layout,
-    // without transposed copies, and skip the general path's fixed costs (serving.h).
+    // Decode and small short prefills (is_short_call, serving.h): the serving kernels read each
+    // state slice once and write the fresh final state once, in either layout, without
+    // transposed copies, and skip the general path's fixed costs.
     const Config cfg = KDA_OP_CONFIG(kRec);
     const Dims d = check_inputs(in, cfg, /*check_values=*/true);
     // TORCH_KDA_DECODE_KERNEL=recurrent keeps these calls on the general recurrent kernels

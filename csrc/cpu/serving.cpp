@@ -224,13 +224,15 @@ ServingPlan plain_plan(const Inputs& in, const Dims& d) {
 
 bool is_short_call(const Inputs& in, const Dims& d) {
   if (d.T == 0) return false;
-  if (!d.varlen) return d.T <= kShortCallTokens;
-  const auto cu = in.cu_seqlens->to(at::kLong).contiguous();
-  const int64_t* c = cu.data_ptr<int64_t>();
-  for (int64_t n = 0; n < d.N; ++n) {
-    if (c[n + 1] - c[n] > kShortCallTokens) return false;
+  int64_t longest = d.T;  // tokens of the longest sequence
+  if (d.varlen) {
+    const auto cu = in.cu_seqlens->to(at::kLong).contiguous();
+    const int64_t* c = cu.data_ptr<int64_t>();
+    longest = 0;
+    for (int64_t n = 0; n < d.N; ++n) longest = std::max(longest, c[n + 1] - c[n]);
   }
-  return true;
+  if (longest == 1) return true;  // decode
+  return longest <= kShortCallTokens && d.B * d.T * d.HV * d.K * d.V <= kShortCallWork;
 }
 
 namespace {

@@ -35,18 +35,21 @@ void serving_cpu(const Inputs& in, const Config& cfg, const Dims& d, const Servi
 // final state goes to row n of a fresh tensor.
 ServingPlan plain_plan(const Inputs& in, const Dims& d);
 
-// Tokens per sequence up to which a plain fused_recurrent call runs on the serving kernels: decode
-// (one token) and short prefills. Each unit of those keeps its state slice in registers across
-// its tokens, with no pre-processing pass, token blocks or workspaces; per token it costs more
-// than the general kernels (no pass vectorised over tokens), so past a few tokens the general
-// ones win. Measured from C++ (kda::fused_recurrent, one thread, 2-core Zen 4 box): the serving
-// kernels took 0.43-0.50x the general kernels' time at T = 2 and 0.50-0.91x at T = 4 with one or
-// four heads of K = V = 32, 0.77-0.92x at T = 2 and 0.90-1.0x at T = 4 at K = V = 128 (even at
-// H = 32), and at T = 8 were even to 2% slower at K = V = 128 (docs/benchmarks.md, "Short calls").
+// Plain fused_recurrent calls that run on the serving kernels: decode (one token per sequence),
+// and short prefills of at most kShortCallTokens tokens per sequence whose work, all tokens x HV
+// x K x V state elements, is at most kShortCallWork. The serving kernels skip the general
+// kernels' fixed costs (pre-processing pass, token blocks, workspaces: their smallest calls took
+// 4.6-8 us on a Zen 4 core, 11-17 us on a 16-core Xeon host's) but cost more per token past the
+// first (the slice goes through a local copy from token to token), so they win only on small
+// calls. Their time over the general kernels' (benchmarks/short_calls.cpp, one thread, T = 2-4):
+// Zen 4 0.41-0.63 with one or four heads of K = V = 32, 0.75 at T = 2 with one head of 128,
+// 0.83-0.91 with four heads of 128, 0.93-0.96 with 32 heads of 32; Xeon 0.48-0.68, 0.92, then
+// 1.18-1.43 with four or 32 heads of 128 and 1.14-1.18 with 32 heads of 32 (docs/benchmarks.md,
+// "Short calls"). The work bound keeps the calls that won on both.
 constexpr int64_t kShortCallTokens = 4;
+constexpr int64_t kShortCallWork = 32768;
 
-// True when every sequence of the call has at most kShortCallTokens tokens and at least one has
-// one: serving_cpu then runs a plain fused_recurrent call (decode and short prefills).
+// True when a plain call runs on the serving kernels (the rule above); at least one token.
 bool is_short_call(const Inputs& in, const Dims& d);
 
 // The domain checks of the decode and serving paths (docs/bad_inputs.md rows 46-47: g <= 0

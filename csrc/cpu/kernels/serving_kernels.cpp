@@ -568,9 +568,9 @@ inline void vfirst_lanes_dots(const ServingArgs<T>& A, const Prep<T>& P, int64_t
     vec<T> zk[L], zq[L];
     bool done = false;
 #if defined(__AVX512F__)
-    // K of 1-8 whole vectors: (a k) and (a q) in at most 16 of the 32 registers. At K = 32 and
-    // 64 (2 and 4 vectors) the loop below had made V-first decode 1.45-1.65x and 1.2-1.3x
-    // K-first's time with the state in cache (B1 / B8, H32, one Zen 4 core).
+    // K of 1-8 whole vectors: (a k) and (a q) in at most 16 of the 32 registers (it was 4 and 8
+    // only). With the loop below, V-first decode at K = 32 / 48 took 1.1x / 1.4x this time (B1
+    // and B8, H32, the state in cache, one Zen 4 core).
     if (K % L == 0) {
       done = with_vectors(K / L, [&](auto nv) {
         vfirst_dot_rows<decltype(nv)::value, T, Src>(P, src, sld, zk, zq);

@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--reps", type=int, default=5)
     a = p.parse_args()
-    lib = find_peers(a.peers_dir)["ggml"]
+    lib = find_peers(a.peers_dir)["ggml"]  # (raises when neither peer is built)
     if lib is None:
         raise SystemExit(f"no ggml driver in {a.peers_dir}: run benchmarks/peers/setup.sh first")
     inp = peer_inputs(Shape(1, a.seq_len, a.heads, a.heads))

@@ -226,6 +226,31 @@ def test_nan_reaches_the_same_outputs_as_in_the_reference(T, source, v_first, in
     assert torch.equal(o.isnan(), o_ref.isnan()) and torch.equal(s.isnan(), s_ref.isnan())
 
 
+@pytest.mark.parametrize("T", [1, 2, 5])
+@pytest.mark.parametrize("source", ["q", "k", "v", "initial_state"])
+@pytest.mark.parametrize("v_first", [False, True])
+def test_inf_makes_the_same_entries_non_finite_as_in_the_reference(T, source, v_first):
+    # docs/bad_inputs.md "Values outside the domain": an infinite input makes the same entries of
+    # o and of the final state non-finite as in the reference; the decode kernels may give +-inf
+    # where the reference's sums give NaN (inf - inf), so only finiteness is compared.
+    B, H, HV, K, V = 2, 2, 4, 16, 24
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
+    v, beta = torch.randn(B, T, HV, V, generator=gen), torch.rand(B, T, HV, generator=gen)
+    g = -torch.rand(B, T, HV, K, generator=gen)
+    h0 = torch.randn(B, HV, *((V, K) if v_first else (K, V)), generator=gen)
+    x = {"q": q, "k": k, "v": v, "initial_state": h0}[source]
+    x[1, 0, 1, 3] = float("inf")  # sequence 1 (token 0, head 1; the state: value head 1)
+    kw = dict(initial_state=h0, output_final_state=True, state_v_first=v_first,
+              use_qk_l2norm_in_kernel=source not in ("q", "k"))
+    with torch.no_grad():
+        o, s = torch_kda.fused_recurrent_kda(q, k, v, g, beta, backend="native", **kw)
+        o_ref, s_ref = torch_kda.fused_recurrent_kda(q, k, v, g, beta, backend="reference", **kw)
+    assert not torch.isfinite(o_ref).all() and torch.isfinite(o_ref[0]).all()
+    assert torch.equal(torch.isfinite(o), torch.isfinite(o_ref))
+    assert torch.equal(torch.isfinite(s), torch.isfinite(s_ref))
+
+
 def _op_args(p, **changes):
     names = ("scale", "initial_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
              "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "state_v_first",

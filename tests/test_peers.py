@@ -21,6 +21,7 @@ def test_bench_peers_without_a_build_exits_2_and_names_the_setup_script(tmp_path
     err = capsys.readouterr().err
     assert code == 2
     assert "setup.sh" in err and str(tmp_path) in err
+    assert not (tmp_path / "out").exists()  # nothing made before the check
 
 
 def test_peer_inputs_reject_grouped_heads():
@@ -68,3 +69,6 @@ def test_the_peer_table_names_a_head_dim_other_than_128():
     assert "| prefill B1 T8 H2 K32 V32, tokens/s | 1 | 800.0K | 400.0K | – | 2.00× |" in text
     assert "| prefill B1 T8 H2, tokens/s | 1 | 80.0K | 80.0K | – | 1.00× |" in text
     assert "| B1 T8 H2 K32 V32 | 1 |" in text
+    agree = [dict(kind="agree", impl="ggml", B=1, T=8, H=2, K=32, V=32, decode=False, o_rel_err=1e-7,
+                  state_rel_err=2e-7)]
+    assert "| ggml B1 T8 H2 K32 V32 | 1.0e-07 | 2.0e-07 | ok |" in peers.format_peers(results + agree)

@@ -311,10 +311,19 @@ class ExecuTorch:
 
 
 def find_peers(peers_dir: str) -> Dict[str, Optional[str]]:
-    """Paths of the ggml driver and ExecuTorch's python in ``peers_dir`` (None where missing)."""
+    """Paths of the ggml driver and ExecuTorch's python in ``peers_dir`` (None where missing).
+
+    Raises:
+        FileNotFoundError: neither peer is built in ``peers_dir`` (the message names
+            benchmarks/peers/setup.sh).
+    """
     lib = os.path.join(peers_dir, DRIVER_NAME)
     py = os.path.join(peers_dir, VENV_NAME, "bin", "python")
-    return dict(ggml=lib if os.path.exists(lib) else None, executorch=py if os.path.exists(py) else None)
+    found = dict(ggml=lib if os.path.exists(lib) else None, executorch=py if os.path.exists(py) else None)
+    if not any(found.values()):
+        raise FileNotFoundError(f"peers_dir: no peer built in {peers_dir!r} (expected {DRIVER_NAME} and/or "
+                                f"{VENV_NAME}/); run benchmarks/peers/setup.sh {peers_dir}")
+    return found
 
 
 def run_peers(peers_dir: str, shapes: Sequence[Shape] = PREFILL_SHAPES + DECODE_SHAPES,
@@ -330,9 +339,6 @@ def run_peers(peers_dir: str, shapes: Sequence[Shape] = PREFILL_SHAPES + DECODE_
         FileNotFoundError: neither peer is built in ``peers_dir`` (run benchmarks/peers/setup.sh).
     """
     found = find_peers(peers_dir)
-    if not any(found.values()):
-        raise FileNotFoundError(f"peers_dir: no peer built in {peers_dir!r} (expected {DRIVER_NAME} and/or "
-                                f"{VENV_NAME}/); run benchmarks/peers/setup.sh {peers_dir}")
     for name, path in found.items():
         if path is None:
             log(f"{name}: not built in {peers_dir}, skipped")
@@ -400,6 +406,11 @@ def run_peers(peers_dir: str, shapes: Sequence[Shape] = PREFILL_SHAPES + DECODE_
     return results
 
 
+def _dims(r: dict) -> str:
+    """" K.. V.." where a result's head size is not 128 (as ``Shape.name``), else ""."""
+    return "" if (r["K"], r["V"]) == (128, 128) else f" K{r['K']} V{r['V']}"
+
+
 def format_peers(results: List[dict]) -> str:
     """Markdown: the peer table (prefill tokens/s, decode µs/call) with ratios, then agreement."""
     timed = [r for r in results if r["kind"] == "time"]
@@ -422,7 +433,7 @@ def format_peers(results: List[dict]) -> str:
                 get = {m: _find(timed, impl=m, threads=n, **sd) for m in (ours, "ggml", "executorch")}
                 if get[ours] is None:
                     continue
-                dims = "" if (K, V) == (128, 128) else f" K{K} V{V}"  # as Shape.name
+                dims = _dims(sd)
                 if dec:
                     case = f"decode B{B} H{H}{dims}" + (", state V-first" if ours == "ours_vfirst" else
                                                         ", state K-first") + ", µs/call"
@@ -451,8 +462,7 @@ def format_peers(results: List[dict]) -> str:
         out.append("| torch-kda (state K-first) | thr | system (kernel) share of its CPU time | minor page faults per call |")
         out.append("|---|---|---|---|")
         for r in ours:
-            dims = "" if (r["K"], r["V"]) == (128, 128) else f" K{r['K']} V{r['V']}"
-            out.append(f"| B{r['B']} T{r['T']} H{r['H']}{dims} | {r['threads']} | {100 * r['sys_share']:.1f}% | "
+            out.append(f"| B{r['B']} T{r['T']} H{r['H']}{_dims(r)} | {r['threads']} | {100 * r['sys_share']:.1f}% | "
                        f"{r['faults_per_call']:,.0f} |")
         out.append("")
     agree = [r for r in results if r["kind"] == "agree"]
@@ -461,8 +471,8 @@ def format_peers(results: List[dict]) -> str:
         out.append("|---|---|---|---|")
         for r in agree:
             ok = "ok" if max(r["o_rel_err"], r["state_rel_err"]) <= AGREE_TOL else "MISMATCH"
-            tk = f"T{r['T']}"
-            out.append(f"| {r['impl']} B{r['B']} {tk} H{r['H']} | {r['o_rel_err']:.1e} | {r['state_rel_err']:.1e} | {ok} |")
+            out.append(f"| {r['impl']} B{r['B']} T{r['T']} H{r['H']}{_dims(r)} | {r['o_rel_err']:.1e} | "
+                       f"{r['state_rel_err']:.1e} | {ok} |")
         out.append("")
     return "\n".join(out)
 

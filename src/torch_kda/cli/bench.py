@@ -85,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
         from .. import peers
         if not status["native"].available:
             raise UsageError(f"--peers: the native backend is unavailable here: {status['native'].reason}")
-        out = output_dir(args.out)
         try:
+            peers.find_peers(args.peers)  # before --out is made: nothing to write without a peer
+            out = output_dir(args.out)
             shapes = peers.peer_shapes(args.seq_lens, args.heads, args.head_dim, args.decode_batches,
                                        decode=not args.no_decode)
             peers.bench_peers(args.peers, _command(args), threads=args.threads or benchmark.default_threads(),

@@ -76,6 +76,11 @@ BACKENDS = ("native", "reference", "compiled", "fla_naive")
 GEMM_N = 2048
 
 
+def head_dims(K: int, V: int) -> str:
+    """The head sizes as shape names give them: ``" K32 V32"``, or ``""`` for K = V = 128."""
+    return "" if (K, V) == (128, 128) else f" K{K} V{V}"
+
+
 @dataclass(frozen=True)
 class Shape:
     """One problem size; ``decode`` shapes run forward only, with a state in and out."""
@@ -91,7 +96,7 @@ class Shape:
     def name(self) -> str:
         t = f"{self.T // 1024}K" if self.T >= 1024 and self.T % 1024 == 0 else str(self.T)
         return f"B{self.B} T{t} H{self.H}" + (f" HV{self.HV}" if self.HV != self.H else "") + \
-            (f" K{self.K} V{self.V}" if (self.K, self.V) != (128, 128) else "")
+            head_dims(self.K, self.V)
 
     def flops(self, mode: str) -> float:
         per = 8 if mode == "fwd" else 32
@@ -1181,8 +1186,8 @@ def chunk_rows(seq_lens: Sequence[int] = CHUNK_SEQ_LENS, heads: Sequence[int] = 
     """The native chunkwise op (``torch.ops.kda.chunk``) vs the native recurrent op, side by side.
 
     Per (dtype, H, T, threads, mode): both ops interleaved (:func:`_interleaved_medians`), the
-    softplus gate, q/k L2 norm and beta sigmoid in the op, K = V = ``head_dim``, B = ``batch``. ``fwd`` is
-    the forward under ``torch.no_grad()``; ``fwd_bwd`` the forward plus the backward of a random
+    softplus gate, q/k L2 norm and beta sigmoid in the op, K = V = ``head_dim``, B = ``batch``.
+    ``fwd`` is the forward under ``torch.no_grad()``; ``fwd_bwd`` the forward plus the backward of a random
     output gradient (the chunk op's backward is kda::chunk_bwd where registered, else the
     recurrent backward; both read the same checkpoints). Rates count the recurrent form's FLOPs
     (8*K*V per token and value head forward, 32*K*V forward+backward, docs/math.md) for both ops,
@@ -1283,7 +1288,8 @@ def chunk_main(argv: Optional[Sequence[str]] = None) -> None:
     reps = args.reps or (3 if args.quick else 5)
     load = os.getloadavg()
     info = machine_info()
-    rows = chunk_rows(seq_lens, args.heads, args.threads, args.dtypes, args.modes, reps, args.batch, args.head_dim)
+    rows = chunk_rows(seq_lens, args.heads, args.threads, args.dtypes, args.modes, reps, args.batch,
+                      args.head_dim)
     print(f"machine: {info['cpu']} ({info['logical_cpus']} logical CPUs); torch {info['torch']}; "
           f"commit {info['commit']}; threads {args.threads}")
     print(f"chunk state products: TORCH_KDA_CHUNK_PRODUCTS="

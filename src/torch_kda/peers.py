@@ -24,7 +24,8 @@ an initial state, ``scale = K**-0.5``, fp32, K = V (128 unless ``--head-dim`` sa
 Before timing, every peer's output and final state are compared with torch-kda's (relative error:
 max |difference| / max |torch-kda|). Timing: in each repetition every (implementation, thread
 count) runs once before the next repetition starts, so load from other processes hits all alike
-(decode shapes and short prefills: ``decode_calls`` calls back to back, :func:`calls_per_rep`); medians are reported, with the load average at start and end.
+(decode shapes and short prefills: ``decode_calls`` calls back to back, :func:`calls_per_rep`);
+medians are reported, with the load average at start and end.
 Ratios are peer time / torch-kda time (> 1: torch-kda is faster). Decode shapes also time
 ``copy_`` of a tensor of the state's bytes in the same repetitions (:class:`Copy`): a decode call
 reads and writes its state once, so its state bytes per second as a share of the copy's is how
@@ -48,10 +49,11 @@ import torch
 
 import torch_kda
 from torch_kda import reference
-from torch_kda.benchmark import Shape, _find, gemm_gflops, header_line, machine_info, publish
+from torch_kda.benchmark import (Shape, _find, gemm_gflops, head_dims, header_line, machine_info,
+                                 publish)
 
-__all__ = ["PREFILL_SHAPES", "DECODE_SHAPES", "peer_inputs", "peer_shapes", "calls_per_rep", "Ggml", "ExecuTorch", "run_peers",
-           "format_peers", "bench_peers"]
+__all__ = ["PREFILL_SHAPES", "DECODE_SHAPES", "peer_inputs", "peer_shapes", "calls_per_rep", "Ggml",
+           "ExecuTorch", "run_peers", "format_peers", "bench_peers"]
 
 PREFILL_SHAPES = (Shape(1, 4096, 4, 4), Shape(1, 4096, 16, 16))
 DECODE_SHAPES = tuple(Shape(B, 1, 32, 32, decode=True) for B in (1, 8, 64))
@@ -406,9 +408,9 @@ def run_peers(peers_dir: str, shapes: Sequence[Shape] = PREFILL_SHAPES + DECODE_
     return results
 
 
-def _dims(r: dict) -> str:
-    """" K.. V.." where a result's head size is not 128 (as ``Shape.name``), else ""."""
-    return "" if (r["K"], r["V"]) == (128, 128) else f" K{r['K']} V{r['V']}"
+def _row_name(r: dict) -> str:
+    """A result's shape as the small tables name it: ``B1 T4096 H4``, head sizes when not 128."""
+    return f"B{r['B']} T{r['T']} H{r['H']}{head_dims(r['K'], r['V'])}"
 
 
 def format_peers(results: List[dict]) -> str:
@@ -433,7 +435,7 @@ def format_peers(results: List[dict]) -> str:
                 get = {m: _find(timed, impl=m, threads=n, **sd) for m in (ours, "ggml", "executorch")}
                 if get[ours] is None:
                     continue
-                dims = _dims(sd)
+                dims = head_dims(K, V)
                 if dec:
                     case = f"decode B{B} H{H}{dims}" + (", state V-first" if ours == "ours_vfirst" else
                                                         ", state K-first") + ", µs/call"
@@ -462,7 +464,7 @@ def format_peers(results: List[dict]) -> str:
         out.append("| torch-kda (state K-first) | thr | system (kernel) share of its CPU time | minor page faults per call |")
         out.append("|---|---|---|---|")
         for r in ours:
-            out.append(f"| B{r['B']} T{r['T']} H{r['H']}{_dims(r)} | {r['threads']} | {100 * r['sys_share']:.1f}% | "
+            out.append(f"| {_row_name(r)} | {r['threads']} | {100 * r['sys_share']:.1f}% | "
                        f"{r['faults_per_call']:,.0f} |")
         out.append("")
     agree = [r for r in results if r["kind"] == "agree"]
@@ -471,7 +473,7 @@ def format_peers(results: List[dict]) -> str:
         out.append("|---|---|---|---|")
         for r in agree:
             ok = "ok" if max(r["o_rel_err"], r["state_rel_err"]) <= AGREE_TOL else "MISMATCH"
-            out.append(f"| {r['impl']} B{r['B']} T{r['T']} H{r['H']}{_dims(r)} | {r['o_rel_err']:.1e} | "
+            out.append(f"| {r['impl']} {_row_name(r)} | {r['o_rel_err']:.1e} | "
                        f"{r['state_rel_err']:.1e} | {ok} |")
         out.append("")
     return "\n".join(out)

@@ -318,7 +318,8 @@ inline vec<T> beta_cols(const ServingArgs<T>& A, int64_t tok, int64_t hv, int64_
 // x holds a NaN or an infinity (x - x is +0 for every finite x, and a sum of +0s is +0). A unit
 // that starts from a zero state skips those products; this stands in for them, so a NaN spreads
 // as it does in the general kernels and the reference (docs/bad_inputs.md: NaN propagates to its
-// own sequence), and a finite input keeps its bits.
+// own sequence), and a finite input keeps its bits. Only a sequence's first token from zeros
+// comes here (each column block recomputes it: K subtractions against the block's K x 16 writes).
 template <typename T>
 inline T zero_state_product(const T* x, int64_t K) {
   vec<T> acc{};

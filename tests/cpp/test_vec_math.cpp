@@ -1,7 +1,8 @@
 // The pre-processing's float math (csrc/cpu/kernels/vec_math.h) on every instruction set this CPU
 // runs (tests/cpp/vec_math_cases.cpp evaluates it per ISA), against double-precision libm: the
 // gate's softplus, its sigmoid and the decay's exp within a few units in the last place over wide
-// and near-zero inputs, the overflow and underflow edges, infinities, and NaN propagated.
+// and near-zero inputs, the overflow and underflow edges, infinities, and NaN propagated; and the
+// fp16 widening (half_to_float) exact for every one of the 65,536 fp16 bit patterns.
 #include "cpu/kernels/recurrent_kernels.h"
 #include "vec_math_cases.h"
 
@@ -17,10 +18,12 @@ namespace {
 
 using kda::kernels::kVecMathBlock;
 using EvalFn = void (*)(const float*, int64_t, float*, float*, float*, float*);
+using HalfFn = void (*)(const uint16_t*, int64_t, float*);
 
 struct Isa {
   std::string name;
   EvalFn eval;
+  HalfFn half;
 };
 
 // The ISAs this CPU runs: the one the library's dispatch chose (csrc/cpu/isa_dispatch.cpp, which
@@ -28,10 +31,11 @@ struct Isa {
 std::vector<Isa> isas() {
   std::vector<Isa> all;
 #if defined(KDA_HAVE_X86_ISAS)
-  all.push_back({"avx512", &kda::kernels::avx512::vec_math_eval});
-  all.push_back({"avx2", &kda::kernels::avx2::vec_math_eval});
+  all.push_back({"avx512", &kda::kernels::avx512::vec_math_eval, &kda::kernels::avx512::half_eval});
+  all.push_back({"avx2", &kda::kernels::avx2::vec_math_eval, &kda::kernels::avx2::half_eval});
 #endif
-  all.push_back({"generic", &kda::kernels::generic::vec_math_eval});
+  all.push_back({"generic", &kda::kernels::generic::vec_math_eval,
+                 &kda::kernels::generic::half_eval});
   const std::string chosen = kda::kernels::table().isa;
   std::size_t first = 0;
   while (first < all.size() && all[first].name != chosen) ++first;
@@ -101,6 +105,40 @@ TEST(VecMath, SoftplusSigmoidExpWithinAFewUlpOnEveryIsaThisCpuRuns) {
       EXPECT_TRUE(std::isnan(sp[nan_at]) && std::isnan(sp2[nan_at]) && std::isnan(sig[nan_at]) &&
                   std::isnan(ex[nan_at]));
     }
+  }
+}
+
+// The fp16 value of bits h from its definition (sign, 5-bit exponent biased by 15, 10-bit
+// mantissa with a hidden 1 for normal numbers), in double: the oracle of half_to_float.
+double half_value(uint16_t h) {
+  const int exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  const double sign = (h & 0x8000) ? -1.0 : 1.0;
+  if (exponent == 0x1F) {
+    return mantissa ? std::numeric_limits<double>::quiet_NaN() : sign * INFINITY;
+  }
+  if (exponent == 0) return sign * std::ldexp(mantissa, -24);
+  return sign * std::ldexp(1024 + mantissa, exponent - 25);
+}
+
+TEST(VecMath, HalfToFloatIsExactForEveryFp16OnEveryIsaThisCpuRuns) {
+  std::vector<uint16_t> bits(1 << 16);
+  for (int i = 0; i < (1 << 16); ++i) bits[i] = static_cast<uint16_t>(i);
+  for (const Isa& isa : isas()) {
+    SCOPED_TRACE(isa.name);
+    std::vector<float> got(bits.size());
+    isa.half(bits.data(), static_cast<int64_t>(bits.size()), got.data());
+    int64_t wrong = 0;
+    for (size_t i = 0; i < bits.size(); ++i) {
+      const double want = half_value(bits[i]);
+      const bool ok = std::isnan(want)
+                          ? std::isnan(got[i]) && std::signbit(got[i]) == bool(bits[i] & 0x8000)
+                          : static_cast<double>(got[i]) == want &&
+                                std::signbit(got[i]) == std::signbit(want);
+      if (!ok && wrong++ < 5) {
+        ADD_FAILURE() << "fp16 bits 0x" << std::hex << bits[i] << ": got " << got[i];
+      }
+    }
+    EXPECT_EQ(wrong, 0);
   }
 }
 

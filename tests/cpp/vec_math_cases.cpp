@@ -1,5 +1,6 @@
 // The float math of the pre-processing (csrc/cpu/kernels/vec_math.h: vexp_n, vsoftplus_n,
-// vsoftplus_sigmoid_n) for one instruction set, evaluated on the inputs test_vec_math.cpp makes.
+// vsoftplus_sigmoid_n, half_to_float) for one instruction set, evaluated on the inputs
+// test_vec_math.cpp makes.
 // Compiled once per ISA with the kernels' flags (CMakeLists.txt, KDA_ISA = avx512 | avx2 |
 // generic), like the kernels themselves, so each build runs its own code paths (AVX-512's
 // vrndscaleps and vscalefps, AVX2's vroundps, the generic vectors). As in the kernel files, no
@@ -37,6 +38,11 @@ void vec_math_eval(const float* x, int64_t n, float* softplus, float* softplus_w
       std::memcpy(exp + i + c * kLanes, &ex[c], sizeof(VF));
     }
   }
+}
+
+// half_to_float of each of n fp16 bit patterns.
+void half_eval(const uint16_t* h, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = half_to_float(h[i]);
 }
 
 }  // namespace KDA_ISA

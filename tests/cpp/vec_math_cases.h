@@ -13,6 +13,7 @@ constexpr int64_t kVecMathBlock = 8 * 16;
   namespace isa {                                                                         \
   void vec_math_eval(const float* x, int64_t n, float* softplus, float* softplus_with_sig, \
                      float* sigmoid, float* exp);                                         \
+  void half_eval(const uint16_t* h, int64_t n, float* out);                               \
   }
 KDA_DECLARE_VEC_MATH_CASES(avx512)
 KDA_DECLARE_VEC_MATH_CASES(avx2)

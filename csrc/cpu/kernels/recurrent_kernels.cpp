@@ -297,10 +297,7 @@ inline void write_step(vec_t<T>* Sout, const vec_t<T>* Sin, const vec_t<T> (&u)[
 // 16-bit inputs widened to float as they are read (Storage): bf16 is the top half of a float
 // (exact); fp16 through the F16C / AVX-512 conversion where the ISA has it (exact too).
 inline float widen1(uint16_t x, Storage st) {
-  if (st == Storage::kBf16) return bf16_to_float(x);
-  _Float16 h;
-  std::memcpy(&h, &x, sizeof(h));
-  return static_cast<float>(h);
+  return st == Storage::kBf16 ? bf16_to_float(x) : half_to_float(x);
 }
 
 // m elements (m may exceed the lanes) of p widened into a float vector; the rest is zero.

@@ -316,6 +316,28 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
+// IEEE fp16 bits to float, exact (every fp16 value is a float), in integer operations: the
+// compilers' _Float16 is not there on every target (GCC 12's C++ has it only on x86), and the
+// vector kernels widen whole rows with the CPU's own conversion where it has one (F16C,
+// AVX-512). A NaN keeps its sign and payload and comes out quiet, as those conversions make it.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -magnitude : magnitude;
+  }
+  uint32_t w = sign | (mantissa << 13);
+  if (exponent == 0x1F) {
+    w |= 0x7F800000u | (mantissa ? 0x00400000u : 0u);  // infinity, or a quiet NaN
+  } else {
+    w |= (exponent + (127 - 15)) << 23;  // rebias the exponent
+  }
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
 // ---- the gates' rate ---------------------------------------------------------------------------
 
 // exp(A_log) as the gates multiply it into z (rate_times). A normal rate is kept as it is. The two

@@ -19,7 +19,8 @@ JOBS ?= 2
 BUILD_CPP := build/cpp
 TORCH_PREFIX = $$($(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 
-.PHONY: demo test setup install test-python test-cpp test-wheel bench check fuzz test-sanitize clean
+.PHONY: demo test setup install test-python test-cpp test-wheel bench check fuzz test-sanitize \
+  test-aarch64 clean
 
 # The installed console script (the package lives in src/, so the source tree never shadows it).
 demo: install
@@ -126,6 +127,11 @@ test-sanitize: setup
 	cmake --build $(BUILD_SAN) -j $(JOBS) --target kda_tests
 	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_odr_violation=0 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(BUILD_SAN)/kda_tests --gtest_brief=1
+
+# The C++ library, its GoogleTest suite and the C++ example cross-compiled for 64-bit ARM and run
+# under QEMU (tests/cross/aarch64.sh: apt-get packages, libtorch from PyPI's aarch64 torch wheel).
+test-aarch64: setup
+	JOBS=$(JOBS) bash tests/cross/aarch64.sh $(PY) $(TORCH_VERSION) build/aarch64
 
 clean:
 	rm -rf build _skbuild dist *.egg-info

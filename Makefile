@@ -20,7 +20,7 @@ BUILD_CPP := build/cpp
 TORCH_PREFIX = $$($(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 
 .PHONY: demo test setup install test-python test-cpp test-wheel bench check fuzz test-sanitize \
-  test-aarch64 clean
+  test-clang test-aarch64 clean
 
 # The installed console script (the package lives in src/, so the source tree never shadows it).
 demo: install
@@ -127,6 +127,21 @@ test-sanitize: setup
 	cmake --build $(BUILD_SAN) -j $(JOBS) --target kda_tests
 	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_odr_violation=0 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(BUILD_SAN)/kda_tests --gtest_brief=1
+
+# The C++ library, its GoogleTest suite and the C++ example built with Clang (the README names GCC
+# or Clang; `make test` builds with the default compiler, GCC here), in build/clang. Clang's
+# OpenMP runtime (libomp) comes from the system's package manager.
+BUILD_CLANG := build/clang
+test-clang: setup
+	@if ! command -v clang++ >/dev/null 2>&1 || \
+	  [ -z "$$(find /usr/lib /usr/lib64 -name 'libomp.so*' 2>/dev/null | head -1)" ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang libomp-dev; \
+	fi
+	cmake -S . -B $(BUILD_CLANG) -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_BUILD_TESTS=ON \
+	  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+	  -DCMAKE_PREFIX_PATH="$(TORCH_PREFIX)" -DPython3_EXECUTABLE=$(CURDIR)/$(PY)
+	cmake --build $(BUILD_CLANG) -j $(JOBS)
+	ctest --test-dir $(BUILD_CLANG) -j $(JOBS) --output-on-failure
 
 # The C++ library, its GoogleTest suite and the C++ example cross-compiled for 64-bit ARM and run
 # under QEMU (tests/cross/aarch64.sh: apt-get packages, libtorch from PyPI's aarch64 torch wheel).

@@ -53,9 +53,9 @@ constexpr int64_t kSub = 16;
 // column factors 1 / Rf_j are then at most e^60 (float) / e^600 (double), finite with room to
 // spare for sums of K products, and no factor is subnormal. Stronger blocks take the direct form.
 template <typename T>
-constexpr T kMinBlockDecay = T(8.75651076e-27);  // e^-60
+inline constexpr T kMinBlockDecay = T(8.75651076e-27);  // e^-60
 template <>
-constexpr double kMinBlockDecay<double> = 2.6503965530043108e-261;  // e^-600
+inline constexpr double kMinBlockDecay<double> = 2.6503965530043108e-261;  // e^-600
 
 // The elementwise loops of the chunk code (decay products, factors, transposes, the backward's
 // pair loops) are compiled per instruction set (KDA_CLONES, csrc/cpu/clones.h); the GEMMs pick

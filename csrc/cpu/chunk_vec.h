@@ -107,6 +107,21 @@ namespace vec_detail {
 typedef float v8sf __attribute__((vector_size(32)));
 typedef int v8si __attribute__((vector_size(32)));
 
+// Two-source shuffle with constant lane indices (below the lanes: a's, then b's), in GCC's
+// spelling or Clang's; Mask is the int vector type of the lanes.
+#if defined(__clang__)
+#define KDA_SHUFFLE(a, b, Mask, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define KDA_SHUFFLE(a, b, Mask, ...) __builtin_shuffle(a, b, Mask{__VA_ARGS__})
+#endif
+#define KDA_SHUFFLE8(a, b, ...) KDA_SHUFFLE(a, b, v8si, __VA_ARGS__)
+#define KDA_LO1 0, 8, 1, 9, 4, 12, 5, 13
+#define KDA_HI1 2, 10, 3, 11, 6, 14, 7, 15
+#define KDA_LO2 0, 1, 8, 9, 4, 5, 12, 13
+#define KDA_HI2 2, 3, 10, 11, 6, 7, 14, 15
+#define KDA_LO3 0, 1, 2, 3, 8, 9, 10, 11
+#define KDA_HI3 4, 5, 6, 7, 12, 13, 14, 15
+
 // dst[c, r] = src[r, c] for an 8 x 8 tile, in three shuffle stages (pairs, quads, halves).
 KDA_ALWAYS_INLINE void transpose8(const float* __restrict src, int64_t lds, float* __restrict dst,
                                   int64_t ldd) {
@@ -119,23 +134,26 @@ KDA_ALWAYS_INLINE void transpose8(const float* __restrict src, int64_t lds, floa
   std::memcpy(&r5, src + 5 * lds, 32);
   std::memcpy(&r6, src + 6 * lds, 32);
   std::memcpy(&r7, src + 7 * lds, 32);
-  const v8si lo1 = {0, 8, 1, 9, 4, 12, 5, 13}, hi1 = {2, 10, 3, 11, 6, 14, 7, 15};
-  const v8sf t0 = __builtin_shuffle(r0, r1, lo1), t1 = __builtin_shuffle(r0, r1, hi1);
-  const v8sf t2 = __builtin_shuffle(r2, r3, lo1), t3 = __builtin_shuffle(r2, r3, hi1);
-  const v8sf t4 = __builtin_shuffle(r4, r5, lo1), t5 = __builtin_shuffle(r4, r5, hi1);
-  const v8sf t6 = __builtin_shuffle(r6, r7, lo1), t7 = __builtin_shuffle(r6, r7, hi1);
-  const v8si lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
-  const v8sf u0 = __builtin_shuffle(t0, t2, lo2), u1 = __builtin_shuffle(t0, t2, hi2);
-  const v8sf u2 = __builtin_shuffle(t1, t3, lo2), u3 = __builtin_shuffle(t1, t3, hi2);
-  const v8sf u4 = __builtin_shuffle(t4, t6, lo2), u5 = __builtin_shuffle(t4, t6, hi2);
-  const v8sf u6 = __builtin_shuffle(t5, t7, lo2), u7 = __builtin_shuffle(t5, t7, hi2);
-  const v8si lo3 = {0, 1, 2, 3, 8, 9, 10, 11}, hi3 = {4, 5, 6, 7, 12, 13, 14, 15};
-  const v8sf o[8] = {__builtin_shuffle(u0, u4, lo3), __builtin_shuffle(u1, u5, lo3),
-                     __builtin_shuffle(u2, u6, lo3), __builtin_shuffle(u3, u7, lo3),
-                     __builtin_shuffle(u0, u4, hi3), __builtin_shuffle(u1, u5, hi3),
-                     __builtin_shuffle(u2, u6, hi3), __builtin_shuffle(u3, u7, hi3)};
+  const v8sf t0 = KDA_SHUFFLE8(r0, r1, KDA_LO1), t1 = KDA_SHUFFLE8(r0, r1, KDA_HI1);
+  const v8sf t2 = KDA_SHUFFLE8(r2, r3, KDA_LO1), t3 = KDA_SHUFFLE8(r2, r3, KDA_HI1);
+  const v8sf t4 = KDA_SHUFFLE8(r4, r5, KDA_LO1), t5 = KDA_SHUFFLE8(r4, r5, KDA_HI1);
+  const v8sf t6 = KDA_SHUFFLE8(r6, r7, KDA_LO1), t7 = KDA_SHUFFLE8(r6, r7, KDA_HI1);
+  const v8sf u0 = KDA_SHUFFLE8(t0, t2, KDA_LO2), u1 = KDA_SHUFFLE8(t0, t2, KDA_HI2);
+  const v8sf u2 = KDA_SHUFFLE8(t1, t3, KDA_LO2), u3 = KDA_SHUFFLE8(t1, t3, KDA_HI2);
+  const v8sf u4 = KDA_SHUFFLE8(t4, t6, KDA_LO2), u5 = KDA_SHUFFLE8(t4, t6, KDA_HI2);
+  const v8sf u6 = KDA_SHUFFLE8(t5, t7, KDA_LO2), u7 = KDA_SHUFFLE8(t5, t7, KDA_HI2);
+  const v8sf o[8] = {KDA_SHUFFLE8(u0, u4, KDA_LO3), KDA_SHUFFLE8(u1, u5, KDA_LO3),
+                     KDA_SHUFFLE8(u2, u6, KDA_LO3), KDA_SHUFFLE8(u3, u7, KDA_LO3),
+                     KDA_SHUFFLE8(u0, u4, KDA_HI3), KDA_SHUFFLE8(u1, u5, KDA_HI3),
+                     KDA_SHUFFLE8(u2, u6, KDA_HI3), KDA_SHUFFLE8(u3, u7, KDA_HI3)};
   for (int c = 0; c < 8; ++c) std::memcpy(dst + c * ldd, &o[c], 32);
 }
+#undef KDA_LO1
+#undef KDA_HI1
+#undef KDA_LO2
+#undef KDA_HI2
+#undef KDA_LO3
+#undef KDA_HI3
 #define KDA_HAVE_TRANSPOSE8 1
 
 // 16 floats (one AVX-512 register; two or four narrower ones in the other clones), unaligned and
@@ -145,19 +163,21 @@ typedef int v16si __attribute__((vector_size(64)));
 
 // The sum of the 16 lanes by a fixed tree (halves, quarters, ...): the same bits on every clone.
 KDA_ALWAYS_INLINE float hsum16(v16sf x) {
-  x += __builtin_shuffle(x, v16si{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  x += __builtin_shuffle(x, v16si{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  x += __builtin_shuffle(x, v16si{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  x += KDA_SHUFFLE(x, x, v16si, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += KDA_SHUFFLE(x, x, v16si, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += KDA_SHUFFLE(x, x, v16si, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   return x[0] + x[1];
 }
 
 // Whether any bit of any lane is set (an OR tree as hsum16's).
 KDA_ALWAYS_INLINE bool any16(v16si m) {
-  m |= __builtin_shuffle(m, v16si{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  m |= __builtin_shuffle(m, v16si{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  m |= __builtin_shuffle(m, v16si{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  m |= KDA_SHUFFLE(m, m, v16si, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  m |= KDA_SHUFFLE(m, m, v16si, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  m |= KDA_SHUFFLE(m, m, v16si, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   return (m[0] | m[1]) != 0;
 }
+#undef KDA_SHUFFLE8
+#undef KDA_SHUFFLE
 #define KDA_HAVE_VEC16 1
 #endif
 

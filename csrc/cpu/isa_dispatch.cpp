@@ -5,10 +5,23 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(KDA_HAVE_X86_ISAS)
+#include <cpuid.h>
+#endif
+
 namespace kda {
 namespace kernels {
 
 namespace {
+#if defined(KDA_HAVE_X86_ISAS)
+// F16C (the fp16 <-> fp32 conversions) from CPUID leaf 1: Clang's __builtin_cpu_supports does not
+// know the name (Clang 14).
+bool has_f16c() {
+  unsigned int a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+}
+#endif
+
 const Table& choose() {
   // TORCH_KDA_ISA=generic|avx2|avx512 lowers the choice (for testing); never raises it.
   const char* forced = detail::env_knob("TORCH_KDA_ISA", {"generic", "avx2", "avx512"});
@@ -21,7 +34,7 @@ const Table& choose() {
     return avx512::get();
   }
   if ((allowed("avx2") || allowed("avx512")) && __builtin_cpu_supports("avx2") &&
-      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+      __builtin_cpu_supports("fma") && has_f16c()) {
     return avx2::get();
   }
 #endif

@@ -18,6 +18,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -345,8 +346,11 @@ class BadOpCalls : public ::testing::Test {
   }
 };
 
+// The rows below unpack fwd() with std::tie, not a structured binding: C++17 lambdas cannot capture
+// a structured binding (GCC allows it, Clang does not).
 TEST_F(BadOpCalls, ValidCallRuns) {  // the baseline of the rows below
-  auto [o, ht, ck] = fwd();
+  Tensor o, ht, ck;
+  std::tie(o, ht, ck) = fwd();
   EXPECT_EQ(ck.sizes(), at::IntArrayRef({x.s.B * 2, x.s.HV, x.s.K, x.s.V}));
   auto r = bwd(at::randn_like(o), at::randn_like(ht), ck);
   EXPECT_EQ(std::get<0>(r).sizes(), x.q.sizes());
@@ -361,34 +365,40 @@ TEST_F(BadOpCalls, FwdOpChecksToo) {
 }
 
 TEST_F(BadOpCalls, GradOutputWrongShape) {
-  auto [o, ht, ck] = fwd();
+  Tensor o, ht, ck;
+  std::tie(o, ht, ck) = fwd();
   expect_error([&] { bwd(o.slice(1, 0, 5), ht, ck); }, {"grad_o must have shape"});
 }
 
 TEST_F(BadOpCalls, GradOutputIntegerDtype) {
-  auto [o, ht, ck] = fwd();
+  Tensor o, ht, ck;
+  std::tie(o, ht, ck) = fwd();
   expect_error([&] { bwd(o.to(at::kInt), ht, ck); }, {"grad_o must be a floating tensor"});
 }
 
 TEST_F(BadOpCalls, GradFinalStateWrongShape) {
-  auto [o, ht, ck] = fwd();
+  Tensor o, ht, ck;
+  std::tie(o, ht, ck) = fwd();
   expect_error([&] { bwd(o, ht.transpose(-1, -2), ck); }, {"grad_final_state must have shape"});
 }
 
 TEST_F(BadOpCalls, GradFinalStateIntegerDtype) {
-  auto [o, ht, ck] = fwd();
+  Tensor o, ht, ck;
+  std::tie(o, ht, ck) = fwd();
   expect_error([&] { bwd(o, ht.to(at::kLong), ck); },
                {"grad_final_state must be a floating tensor"});
 }
 
 TEST_F(BadOpCalls, CheckpointsWrongShape) {
-  auto [o, ht, ck] = fwd();
+  Tensor o, ht, ck;
+  std::tie(o, ht, ck) = fwd();
   expect_error([&] { bwd(o, ht, ck.slice(0, 0, 1)); }, {"checkpoints must have shape"});
   expect_error([&] { bwd(o, ht, at::empty({0})); }, {"checkpoints must have shape"});
 }
 
 TEST_F(BadOpCalls, CheckpointsIntegerDtype) {
-  auto [o, ht, ck] = fwd();
+  Tensor o, ht, ck;
+  std::tie(o, ht, ck) = fwd();
   expect_error([&] { bwd(o, ht, ck.to(at::kInt)); }, {"checkpoints must be a floating tensor"});
 }
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import torch_kda
+from torch_kda import benchmark
 from torch_kda.__main__ import main
 
 # A tiny model and few steps: seconds, not minutes.
@@ -121,6 +122,35 @@ def test_a_missing_cli_extra_names_the_install_command(command, module, tmp_path
     code, _, err = call_main([command, "--out", str(tmp_path)], capsys)
     assert code == 1
     assert module in err and 'pip install "torch-kda[cli]"' in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    # --decode-batches ran nothing without --peers while bench.md printed it
+    (["--decode-batches", "4"],
+     "--decode-batches does not apply to the default benchmark (it applies to --peers)"),
+    (["--chunk", "--backends", "native"], "--backends does not apply to --chunk"),
+    (["--chunk", "--no-decode"], "--no-decode does not apply to --chunk"),
+    (["--chunk", "--decode-batches", "2"], "--decode-batches does not apply to --chunk"),
+    (["--peers", "DIR", "--quick"],
+     "--quick does not apply to --peers (it applies to --chunk and the default benchmark)"),
+    (["--peers", "DIR", "--backends", "reference"], "--backends does not apply to --peers"),
+    (["--peers", "DIR", "--chunk"], "--peers and --chunk are two different benchmarks"),
+])
+def test_bench_options_a_mode_does_not_read_exit_2(argv, message, tmp_path, capsys, monkeypatch):
+    for name in ("torch_kda.benchmark.bench", "torch_kda.benchmark.chunk_rows",
+                 "torch_kda.peers.bench_peers"):
+        monkeypatch.setattr(name, _no_work)
+    code, _, err = call_main(["bench", *argv, "--out", str(tmp_path / "out")], capsys)
+    assert code == 2
+    assert message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_decode_shapes_take_the_head_dim():
+    # The default benchmark's decoding rows once stayed K = V = 128 whatever --head-dim said.
+    shapes = benchmark.settings(head_dim=16, seq_lens=[64])["shapes"]
+    assert {(s.K, s.V) for s in shapes} == {(16, 16)}
+    assert [(s.B, s.H) for s in shapes if s.decode] == [(1, 32), (8, 32)]
 
 
 def test_bench_summary_speaks_of_ratios_not_of_targets():

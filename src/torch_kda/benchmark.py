@@ -726,13 +726,14 @@ def settings(quick: bool = False, *, seq_lens: Optional[Sequence[int]] = None,
     baselines at T <= 4096, peak memory at the target shape. Quick (about a minute on 2 cores):
     T = 1K and the target shape (+ one decoding shape), fp32, 3 repetitions, baselines at T = 1K
     only, no memory. ``seq_lens`` / ``heads`` / ``head_dim`` replace the shapes by the grid
-    B = 1, T x (H = HV), K = V = ``head_dim`` (default 128); ``decode=False`` drops the decoding
-    shapes; ``overrides`` (any :func:`run` argument, None meaning "the default") win over both.
+    B = 1, T x (H = HV), K = V = ``head_dim`` (default 128), and the decoding shapes (B = 1 and 8,
+    H = 32) take that K and V too; ``decode=False`` drops the decoding shapes; ``overrides`` (any
+    :func:`run` argument, None meaning "the default") win over both.
     """
     if seq_lens or heads or head_dim:
         d = head_dim or 128
         shapes = [Shape(1, T, H, H, d, d) for H in (heads or [4, 16]) for T in (seq_lens or [1024, 4096, 16384])]
-        shapes += list(DECODE_SHAPES) if decode else []
+        shapes += [Shape(s.B, 1, s.H, s.HV, d, d, decode=True) for s in DECODE_SHAPES] if decode else []
     elif quick:
         shapes = list(QUICK_SHAPES[:2]) + ([QUICK_SHAPES[2]] if decode else [])
     else:

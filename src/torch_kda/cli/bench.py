@@ -53,15 +53,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "forward+backward, fp32 and bf16, T from 256 to 64K (--quick: 1K, 8K), "
                         "%% of the fp32 and bf16 GEMM rates (chunk.md, chunk.json; docs/benchmarks.md)")
     p.add_argument("--decode-batches", type=positive_int, nargs="+", default=None, metavar="B",
-                   help="with --peers: decoding batch sizes (H = 32; default 1 8 64)")
+                   help="with --peers: decoding batch sizes (H = 32; default 1 8 64); the default "
+                        "benchmark's decoding rows are B1 and B8 at H = 32 (K = V = --head-dim)")
     p.add_argument("--out", metavar="DIR", default="out",
                    help="directory for bench_tokens_per_s.png, bench.md, bench.json (default: ./%(default)s)")
+
+
+# The options each mode reads (besides --out); any other option given is a mistake, never ignored.
+_MODE_OPTIONS = {
+    "--peers": {"seq_lens", "heads", "head_dim", "no_decode", "decode_batches", "threads", "reps"},
+    "--chunk": {"quick", "seq_lens", "heads", "head_dim", "threads", "reps"},
+    "the default benchmark": {"quick", "seq_lens", "heads", "head_dim", "no_decode", "backends",
+                              "threads", "reps"},
+}
+_OPTIONS = ("peers", "chunk", "decode_batches", "quick", "seq_lens", "heads", "head_dim", "no_decode",
+            "backends", "threads", "reps")
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Raise UsageError for an option the chosen mode would not read (it used to run without it,
+    while the report's header printed it)."""
+    if args.peers and args.chunk:
+        raise UsageError("--peers and --chunk are two different benchmarks: choose one")
+    mode = "--peers" if args.peers else "--chunk" if args.chunk else "the default benchmark"
+    for name in _OPTIONS:
+        value = getattr(args, name)
+        if name not in ("peers", "chunk") and value not in (None, False) \
+                and name not in _MODE_OPTIONS[mode]:
+            needs = [m for m, names in _MODE_OPTIONS.items() if name in names]
+            raise UsageError(f"--{name.replace('_', '-')} does not apply to {mode}"
+                             f" (it applies to {' and '.join(needs)})")
 
 
 def _command(args: argparse.Namespace) -> str:
     """The command line that asked for this run, for the report's header."""
     words = ["python -m torch_kda bench"]
-    for name in ("peers", "chunk", "decode_batches", "quick", "seq_lens", "heads", "head_dim", "no_decode", "backends", "threads", "reps"):
+    for name in _OPTIONS:
         value = getattr(args, name)
         if value is None or value is False:
             continue
@@ -76,9 +103,12 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         UsageError: ``--backends native`` without a native build; ``--out`` is a file or a folder
-            that cannot be written.
+            that cannot be written; an option the chosen mode does not read (``--decode-batches``
+            without ``--peers``, ``--backends`` with ``--chunk``, ...), or ``--peers`` with
+            ``--chunk``.
         MissingExtra: matplotlib (for the plot) is not installed.
     """
+    _check_options(args)
     require_extra("bench", "matplotlib")
     status = available_backends()
     if args.peers:

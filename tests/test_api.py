@@ -201,3 +201,30 @@ def test_no_tokens_keeps_outputs_in_the_graph_on_every_backend(fn, backend):
         assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any(), name
     s_only = fn(*x.args, **x.kwargs, backend=backend)[1]
     s_only.sum().backward()  # the state alone too
+
+
+def test_numpy_integers_work_where_ints_do():
+    # pad_slot_id=np.int64(-1) once raised "pad_slot_id must be an int, got int64"; chunk_size,
+    # max_num_seqs and the layer's list of cu_seqlens took no NumPy integer either.
+    import numpy as np  # (installed with the test requirements)
+    from torch_kda.nn import KimiDeltaAttention
+
+    p = make_problem(B=1, T=9, H=2, K=8, V=6, seed=3, dtype=torch.float32, seqlens=[4, 5])
+    call = dict(zip(("q", "k", "v", "g", "beta"), p.args), **p.kwargs)
+    pool = torch.randn(4, 2, 8, 6)
+    serving = dict(call, initial_state=None, output_final_state=False, inplace_final_state=True,
+                   ssm_state_indices=torch.tensor([2, -1]))
+    for fn in (torch_kda.fused_recurrent_kda, torch_kda.chunk_kda):
+        o_int, pool_int = fn(**dict(serving, initial_state=pool.clone(), pad_slot_id=-1))
+        o_np, pool_np = fn(**dict(serving, initial_state=pool.clone(), pad_slot_id=np.int64(-1)))
+        assert torch.equal(o_int, o_np) and torch.equal(pool_int, pool_np)
+    ref = dict(call, backend="reference")
+    o_int, _ = torch_kda.chunk_kda(**ref, chunk_size=4)
+    o_np, _ = torch_kda.chunk_kda(**ref, chunk_size=np.int32(4), use_graph=True,
+                                  max_num_seqs=np.int64(2))
+    assert torch.equal(o_int, o_np)
+    layer = KimiDeltaAttention(hidden_size=16, num_heads=2, head_dim=8)
+    x = torch.randn(1, 9, 16)
+    with torch.no_grad():
+        y_np = layer(x, cu_seqlens=list(np.array([0, 4, 9])))
+        assert torch.equal(layer(x, cu_seqlens=[0, 4, 9]), y_np)

@@ -47,6 +47,14 @@ def cache_limit():
         torch.ops.kda._output_cache_set_limit(old[0])
 
 
+def test_a_negative_limit_raises_and_changes_nothing(cache_limit):
+    # -5 once turned the cache off silently (clamped to 0)
+    cache_limit(1 << 20)
+    with pytest.raises(RuntimeError, match=r"bytes must be >= 0 \(0 turns the cache off\), got -5"):
+        torch.ops.kda._output_cache_set_limit(-5)
+    assert stats()["limit"] == 1 << 20
+
+
 def problem(seed=0, **kw):
     args = dict(B=1, T=1200, H=4, K=64, V=64, gate="softplus", seed=seed)
     args.update(kw)

@@ -265,7 +265,12 @@ at::Tensor to_output(const at::Tensor& t, at::ScalarType dtype) {
 
 OutputCacheStats output_cache_stats() { return cache().stats(); }
 
-int64_t set_output_cache_limit(int64_t bytes) { return cache().set_limit(bytes); }
+int64_t set_output_cache_limit(int64_t bytes) {
+  // a negative limit is a mistake (it used to turn the cache off silently), not a request for 0
+  TORCH_CHECK(bytes >= 0, "kda._output_cache_set_limit: bytes must be >= 0 (0 turns the cache off), "
+              "got ", bytes);
+  return cache().set_limit(bytes);
+}
 
 namespace {
 std::vector<int64_t> stats_op() {

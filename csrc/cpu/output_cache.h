@@ -49,7 +49,7 @@ struct OutputCacheStats {
 OutputCacheStats output_cache_stats();
 
 // Sets the limit in bytes (0: off; the free list is trimmed to it at once) and returns the
-// previous one.
+// previous one; a negative limit throws c10::Error and changes nothing.
 int64_t set_output_cache_limit(int64_t bytes);
 
 }  // namespace detail

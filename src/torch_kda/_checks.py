@@ -20,6 +20,17 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 
+def as_int(value) -> Optional[int]:
+    """``value`` as a Python int where it is an integer (an int, NumPy's integer scalars: any
+    ``numbers.Integral``), else None; a bool is no int here. (The int arguments once refused
+    NumPy's integers: ``pad_slot_id=np.int64(-1)`` raised a TypeError.)"""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def _outside_graph(fn):
     """Run ``fn`` eagerly, outside the graph, when ``torch.compile`` traces a call to it.
 
@@ -229,8 +240,9 @@ def check_graph_args(use_graph, max_num_seqs, cu_seqlens) -> None:
         raise TypeError(f"use_graph must be a bool, got {type(use_graph).__name__} {use_graph!r}")
     if max_num_seqs is None:
         return
-    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int):
+    if as_int(max_num_seqs) is None:
         raise TypeError(f"max_num_seqs must be an int or None, got {type(max_num_seqs).__name__}")
+    max_num_seqs = as_int(max_num_seqs)
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     # (a cu_seqlens that is not a 1-D tensor gets its own error from the input checks)
@@ -397,9 +409,9 @@ def check_kda_inputs(
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True "
                          "(beta = 2 * sigmoid(logits)); got use_beta_sigmoid_in_kernel=False")
-    if type(chunk_size) is not int and (isinstance(chunk_size, bool)
-                                        or not isinstance(chunk_size, int)) or chunk_size <= 0:
+    if as_int(chunk_size) is None or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    chunk_size = as_int(chunk_size)
 
     if cu_seqlens is not None:
         cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, q.device)
@@ -541,10 +553,9 @@ def check_serving_inputs(
             dtype/shape/layout mismatch, in-place calls on tensors that require grad (serving is
             inference only). Nothing is written before these checks pass.
     """
-    # (type(...) is: the one-call test of the usual values; bool is no int here)
-    if type(pad_slot_id) is not int and (isinstance(pad_slot_id, bool)
-                                         or not isinstance(pad_slot_id, int)):
+    if as_int(pad_slot_id) is None:
         raise TypeError(f"pad_slot_id must be an int, got {type(pad_slot_id).__name__} {pad_slot_id!r}")
+    pad_slot_id = as_int(pad_slot_id)
     if not INT64_MIN <= pad_slot_id <= INT64_MAX:  # (no index could match it)
         raise ValueError(f"pad_slot_id must fit in int64, got {pad_slot_id}")
     if type(inplace_final_state) is not bool:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import torch_kda as _kda
 
-from .._checks import check_cu_seqlens
+from .._checks import as_int, check_cu_seqlens
 from .cache import KDACache
 from .config import KDAConfig
 from .conv import ShortConvolution
@@ -262,9 +262,10 @@ class KimiDeltaAttention(nn.Module):
             x = x.reshape(B * T, M).index_select(0, indices).unsqueeze(0)
         elif cu_seqlens is not None:
             if isinstance(cu_seqlens, (list, tuple)):
-                if not all(isinstance(c, int) and not isinstance(c, bool) for c in cu_seqlens):
+                ints = [as_int(c) for c in cu_seqlens]
+                if any(c is None for c in ints):
                     raise TypeError(f"cu_seqlens: expected a tensor or a list of ints, got {cu_seqlens!r}")
-                cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)
+                cu_seqlens = torch.tensor(ints, dtype=torch.long, device=x.device)
             # the functional API's validator (the short convolutions and the op check it too)
             cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, x.device)
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1

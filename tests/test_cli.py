@@ -332,3 +332,19 @@ def test_bench_chunk_takes_the_head_dim(tmp_path, capsys):
     rows = json.loads((tmp_path / "out" / "chunk.json").read_text())["rows"]
     assert {r["shape"] for r in rows} == {"B1 T64 H1 K16 V16"}
     assert "| fp32 | B1 T64 H1 K16 V16 | 1 | fwd |" in out
+
+
+def test_demo_head_dim_1_is_a_usage_error(capsys):
+    # --head-dim 1 once trained, then printed "A CHECK FAILED" (exit 1) with a correct library: at
+    # K = 1 the q/k L2 norm is a sign function, and its slope fails the fp32 comparisons.
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--head-dim", "1"])
+    assert exc.value.code == 2
+    assert "expected an integer >= 2 (at 1 the q/k L2 norm is a sign function" in capsys.readouterr().err
+
+
+def test_more_threads_than_cpus_gets_a_note():
+    from torch_kda.cli.common import oversubscribed_threads
+    cpus = len(os.sched_getaffinity(0))
+    assert oversubscribed_threads(cpus) == ""
+    assert f"--threads {cpus + 1} is more than the {cpus} CPU(s)" in oversubscribed_threads(cpus + 1)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["UsageError", "MissingExtra", "positive_int", "int_at_least", "positive_float", "require_extra",
-           "output_dir", "busy_machine_threads"]
+           "output_dir", "busy_machine_threads", "oversubscribed_threads"]
 
 
 class UsageError(ValueError):
@@ -113,3 +113,18 @@ def busy_machine_threads() -> str:
         return (f"the machine is busy (load average {load:.1f} on {cores} cores): using 1 thread, "
                 f"since contended threads spin at their barriers and run slower (--threads N to override)")
     return ""
+
+
+def oversubscribed_threads(threads: int) -> str:
+    """A note when ``threads`` (a ``--threads N``) exceeds the CPUs this process may run on, or
+    ``""``: the threads then take turns on the cores and spin at their barriers (``--threads
+    1000`` on 2 cores made one demo step ~20x slower). A note, not an error: more threads than
+    cores is a legitimate experiment."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    if threads <= cpus:
+        return ""
+    return (f"--threads {threads} is more than the {cpus} CPU(s) this process may use: the threads "
+            f"take turns and wait at their barriers, so expect it to run slower than with {cpus}")

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ..api import available_backends
-from .common import (UsageError, busy_machine_threads, output_dir, positive_float, positive_int,
-                     require_extra)
+from .common import (UsageError, busy_machine_threads, int_at_least, output_dir,
+                     oversubscribed_threads, positive_float, positive_int, require_extra)
 from .data import Corpus, bits, load_corpus, unigram_entropy
 from .model import ByteLM, ByteLMConfig
 
@@ -72,7 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=positive_int, default=128, help="model width (default: %(default)s)")
     p.add_argument("--layers", type=positive_int, default=2, help="number of KDA blocks (default: %(default)s)")
     p.add_argument("--heads", type=positive_int, default=2, help="KDA heads per block (default: %(default)s)")
-    p.add_argument("--head-dim", type=positive_int, default=64, help="KDA head size (default: %(default)s)")
+    p.add_argument("--head-dim", type=int_at_least(2, "at 1 the q/k L2 norm is a sign function, whose "
+                                                    "slope of 1000 at 0 fails the checks' fp32 comparisons"),
+                   default=64, help="KDA head size, at least 2 (default: %(default)s)")
     p.add_argument("--eval-every", type=positive_int, default=None,
                    help="held-out evaluation interval in steps (default: steps / 10)")
     p.add_argument("--gen-len", type=positive_int, default=160,
@@ -234,6 +236,7 @@ def _run(args: argparse.Namespace) -> int:
     threads_note = ""
     if args.threads:
         torch.set_num_threads(args.threads)
+        threads_note = oversubscribed_threads(args.threads)
     else:
         threads_note = busy_machine_threads()
     torch.manual_seed(args.seed)

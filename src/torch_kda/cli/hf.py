@@ -27,7 +27,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .common import MissingExtra, UsageError, busy_machine_threads, int_at_least, output_dir, positive_int
+from .common import (MissingExtra, UsageError, busy_machine_threads, int_at_least, output_dir,
+                     oversubscribed_threads, positive_int)
 
 __all__ = ["add_arguments", "run", "build_model"]
 
@@ -182,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     note = ""
     if args.threads:
         torch.set_num_threads(args.threads)
+        note = oversubscribed_threads(args.threads)
     else:
         note = busy_machine_threads()
     if note:

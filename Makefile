@@ -134,7 +134,7 @@ test-sanitize: setup
 BUILD_CLANG := build/clang
 test-clang: setup
 	@if ! command -v clang++ >/dev/null 2>&1 || \
-	  [ -z "$$(find /usr/lib /usr/lib64 -name 'libomp.so*' 2>/dev/null | head -1)" ]; then \
+	  [ -z "$$(find /usr/lib /usr/lib64 -name libomp.so 2>/dev/null | head -1)" ]; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang libomp-dev; \
 	fi
 	cmake -S . -B $(BUILD_CLANG) -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_BUILD_TESTS=ON \

@@ -25,8 +25,10 @@ bool has_f16c() {
 const Table& choose() {
   // TORCH_KDA_ISA=generic|avx2|avx512 lowers the choice (for testing); never raises it.
   const char* forced = detail::env_knob("TORCH_KDA_ISA", {"generic", "avx2", "avx512"});
-  auto allowed = [&](const char* name) { return forced == nullptr || std::strcmp(forced, name) == 0; };
 #if defined(KDA_HAVE_X86_ISAS)
+  auto allowed = [&](const char* name) {
+    return forced == nullptr || std::strcmp(forced, name) == 0;
+  };
   __builtin_cpu_init();
   if (allowed("avx512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
@@ -37,6 +39,8 @@ const Table& choose() {
       __builtin_cpu_supports("fma") && has_f16c()) {
     return avx2::get();
   }
+#else
+  (void)forced;  // read for env_knob's check of the value; only x86-64 has a choice to make
 #endif
   return generic::get();
 }

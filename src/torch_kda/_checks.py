@@ -242,7 +242,7 @@ def check_graph_args(use_graph, max_num_seqs, cu_seqlens) -> None:
         return
     if as_int(max_num_seqs) is None:
         raise TypeError(f"max_num_seqs must be an int or None, got {type(max_num_seqs).__name__}")
-    max_num_seqs = as_int(max_num_seqs)
+    max_num_seqs = int(max_num_seqs)
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     # (a cu_seqlens that is not a 1-D tensor gets its own error from the input checks)
@@ -411,7 +411,7 @@ def check_kda_inputs(
                          "(beta = 2 * sigmoid(logits)); got use_beta_sigmoid_in_kernel=False")
     if as_int(chunk_size) is None or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    chunk_size = as_int(chunk_size)
+    chunk_size = int(chunk_size)
 
     if cu_seqlens is not None:
         cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, q.device)
@@ -555,7 +555,7 @@ def check_serving_inputs(
     """
     if as_int(pad_slot_id) is None:
         raise TypeError(f"pad_slot_id must be an int, got {type(pad_slot_id).__name__} {pad_slot_id!r}")
-    pad_slot_id = as_int(pad_slot_id)
+    pad_slot_id = int(pad_slot_id)
     if not INT64_MIN <= pad_slot_id <= INT64_MAX:  # (no index could match it)
         raise ValueError(f"pad_slot_id must fit in int64, got {pad_slot_id}")
     if type(inplace_final_state) is not bool:

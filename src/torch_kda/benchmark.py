@@ -59,7 +59,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -733,7 +733,7 @@ def settings(quick: bool = False, *, seq_lens: Optional[Sequence[int]] = None,
     if seq_lens or heads or head_dim:
         d = head_dim or 128
         shapes = [Shape(1, T, H, H, d, d) for H in (heads or [4, 16]) for T in (seq_lens or [1024, 4096, 16384])]
-        shapes += [Shape(s.B, 1, s.H, s.HV, d, d, decode=True) for s in DECODE_SHAPES] if decode else []
+        shapes += [replace(s, K=d, V=d) for s in DECODE_SHAPES] if decode else []
     elif quick:
         shapes = list(QUICK_SHAPES[:2]) + ([QUICK_SHAPES[2]] if decode else [])
     else:

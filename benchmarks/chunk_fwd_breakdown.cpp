@@ -14,7 +14,8 @@
 //
 //   TORCH=$(python -c 'import torch, os; print(os.path.dirname(torch.__file__))')
 //   KDA=$(python -c 'import torch_kda, os; print(os.path.dirname(torch_kda.__file__))')
-//   g++ -O2 -std=c++17 -Icsrc -I$TORCH/include -I$TORCH/include/torch/csrc/api/include
+//   g++ -O2 -std=c++17 -Icsrc -isystem $TORCH/include
+//       -isystem $TORCH/include/torch/csrc/api/include
 //       -D_GLIBCXX_USE_CXX11_ABI=1 benchmarks/chunk_fwd_breakdown.cpp -o /tmp/chunk_breakdown
 //       -L$TORCH/lib -L$KDA -Wl,-rpath,$TORCH/lib -Wl,-rpath,$KDA -l:libkda.so -ltorch_cpu -lc10
 //   /tmp/chunk_breakdown 128 1 bf16     # chunks, gate strength s, products: fp32 | bf16 | emulated

@@ -18,6 +18,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -25,6 +26,7 @@
 #include <cmath>
 #include <limits>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <tuple>
@@ -770,7 +772,7 @@ std::optional<at::Tensor> defined_or_none(const std::optional<at::Tensor>& t) {
 // for separate elements: sorted by stride, each stride exceeds the largest offset the smaller ones
 // reach; every view made by slicing, permuting and (non-zero) striding a fresh tensor passes it.
 bool may_self_overlap(const at::Tensor& t) {
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  c10::SmallVector<std::pair<int64_t, int64_t>, 8> dims;  // (stride, size)
   for (int64_t i = 0; i < t.dim(); ++i) {
     if (t.size(i) > 1) dims.emplace_back(t.stride(i), t.size(i));
   }
@@ -783,26 +785,30 @@ bool may_self_overlap(const at::Tensor& t) {
   return false;
 }
 
-// Whether the byte ranges spanned by a and b intersect (empty tensors span nothing).
-bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
-  auto span = [](const at::Tensor& t) {
-    int64_t last = 0;
-    for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
-    const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
-    return std::make_pair(first, first + static_cast<uintptr_t>((last + 1) * t.element_size()));
-  };
-  if (a.numel() == 0 || b.numel() == 0) return false;
-  const auto [a0, a1] = span(a);
-  const auto [b0, b1] = span(b);
-  return a0 < b1 && b0 < a1;
+// The byte range [first, end) spanned by t's elements; empty ({0, 0}) when t has none.
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  if (t.numel() == 0) return {0, 0};
+  int64_t last = 0;
+  for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
+  const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {first, first + static_cast<uintptr_t>((last + 1) * t.element_size())};
 }
+
+// A tensor a serving call writes or reads, with its argument's name for the messages. Pointers,
+// not copies: these lists are built at every call, decode's included (a list of (std::string,
+// Tensor) pairs took 15% of a one-token call from C++; docs/benchmarks.md "Short calls").
+struct NamedTensor {
+  const char* name;
+  const at::Tensor* tensor;
+};
+using NamedTensors = c10::SmallVector<NamedTensor, 16>;
 
 // PyTorch refuses to bump the version of an inference tensor outside inference mode, which a
 // serving call does after writing: refused here instead, before anything is written (the rule
 // and the words of torch_kda._checks.check_serving_inputs).
-bool check_writable(const std::vector<std::pair<std::string, at::Tensor>>& written, bool probe) {
+bool check_writable(const NamedTensors& written, bool probe) {
   for (const auto& [name, t] : written) {
-    KDA_RULE(VALUE, !t.is_inference() || c10::InferenceMode::is_enabled(), kSrv, name,
+    KDA_RULE(VALUE, !t->is_inference() || c10::InferenceMode::is_enabled(), kSrv, name,
              " was made under inference mode and is written in place here, outside it; call "
              "under torch.inference_mode() / c10::InferenceMode, or make ", name,
              " outside inference mode");
@@ -814,14 +820,13 @@ bool check_writable(const std::vector<std::pair<std::string, at::Tensor>>& writt
 // final_state) must not alias itself, another output or an input: the kernels write while other
 // threads still read (out = q returned wrong values; an expanded pool wrote two sequences' states
 // into one place). The rule and the words of torch_kda._checks.check_no_aliasing.
-bool check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& written,
-                       const std::vector<std::pair<std::string, at::Tensor>>& read, bool probe) {
+bool check_no_aliasing(const NamedTensors& written, const NamedTensors& read, bool probe) {
   for (const auto& [name, t] : written) {
-    if (!may_self_overlap(t)) continue;
+    if (!may_self_overlap(*t)) continue;
     if (probe) return false;
-    const std::string layout =
-        "(shape " + shape_str(t.sizes()) + ", strides " + shape_str(t.strides()) + "; an expanded tensor?)";
-    if (name == "initial_state") {
+    const std::string layout = "(shape " + shape_str(t->sizes()) + ", strides " +
+                               shape_str(t->strides()) + "; an expanded tensor?)";
+    if (std::strcmp(name, "initial_state") == 0) {
       KDA_CHECK_VALUE(false, kSrv, "the slots of the state pool (initial_state) overlap in memory ",
                         layout, ", so two slot indices could name one state that "
                         "inplace_final_state=True writes; pass a pool whose slots are separate "
@@ -831,14 +836,18 @@ bool check_no_aliasing(const std::vector<std::pair<std::string, at::Tensor>>& wr
                       ", and it is written in place; pass a tensor of separate elements (e.g. "
                       "torch.empty)");
   }
-  std::vector<std::pair<std::string, at::Tensor>> all(written);
-  all.insert(all.end(), read.begin(), read.end());
+  NamedTensors all(written);
+  all.append(read.begin(), read.end());
+  c10::SmallVector<std::pair<uintptr_t, uintptr_t>, 16> spans;
+  for (const auto& named : all) spans.push_back(byte_span(*named.tensor));
   for (size_t i = 0; i < written.size(); ++i) {
     for (size_t j = i + 1; j < all.size(); ++j) {
-      KDA_RULE(VALUE, !spans_intersect(all[i].second, all[j].second), kSrv, all[i].first,
-               " shares memory with ", all[j].first, ": it is written in place while the "
-               "call reads ", all[j].first, ", which would corrupt the result; pass a "
-               "separate tensor as ", all[i].first);
+      const bool disjoint = spans[i].first >= spans[i].second ||
+                            spans[j].first >= spans[j].second ||
+                            spans[i].first >= spans[j].second || spans[j].first >= spans[i].second;
+      KDA_RULE(VALUE, disjoint, kSrv, all[i].name, " shares memory with ", all[j].name,
+               ": it is written in place while the call reads ", all[j].name,
+               ", which would corrupt the result; pass a separate tensor as ", all[i].name);
     }
   }
   return true;
@@ -930,18 +939,17 @@ bool check_serving(KDA_SERVING_ARGS, bool probe, Inputs& in, Config& cfg, Dims& 
   }
 
   {
-    std::vector<std::pair<std::string, at::Tensor>> written;
-    if (out.defined()) written.emplace_back("out", out);
-    if (inplace_final_state) written.emplace_back("initial_state", *pool);
-    if (fresh) written.emplace_back("final_state", *fresh);
-    std::vector<std::pair<std::string, at::Tensor>> read{
-        {"q", q}, {"k", k}, {"v", v}, {"g", g}, {"beta", beta}};
-    const std::pair<const char*, std::optional<at::Tensor>> optional_reads[] = {
-        {"initial_state", inplace_final_state ? std::nullopt : pool}, {"A_log", defined_or_none(A_log)},
-        {"dt_bias", defined_or_none(dt_bias)}, {"cu_seqlens", defined_or_none(cu_seqlens)},
-        {"ssm_state_indices", idx}, {"num_accepted_tokens", nat}};
+    NamedTensors written;
+    if (out.defined()) written.push_back({"out", &out});
+    if (inplace_final_state) written.push_back({"initial_state", &*pool});
+    if (fresh) written.push_back({"final_state", &*fresh});
+    NamedTensors read{{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}};
+    const std::pair<const char*, const std::optional<at::Tensor>*> optional_reads[] = {
+        {"initial_state", inplace_final_state ? nullptr : &pool}, {"A_log", &A_log},
+        {"dt_bias", &dt_bias}, {"cu_seqlens", &cu_seqlens}, {"ssm_state_indices", &idx},
+        {"num_accepted_tokens", &nat}};
     for (const auto& [name, t] : optional_reads) {
-      if (t) read.emplace_back(name, *t);
+      if (t && *t && (*t)->defined()) read.push_back({name, &**t});
     }
     if (!check_writable(written, probe) || !check_no_aliasing(written, read, probe)) return false;
   }

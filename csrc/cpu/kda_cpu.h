@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/SmallVector.h>
 
 #include "cpu/error_message.h"
 #include "cpu/kernels/recurrent_kernels.h"
@@ -187,9 +188,14 @@ auto prep_kernel() {
 // Advice only; call before the first touch.
 void advise_huge_pages(const at::Tensor& t);
 
-// Sequence layout for the kernels (int64 vectors owned by the caller).
+// Per-sequence lists of a call, stored inline up to 8 sequences: a decode call builds about ten of
+// them, and their heap blocks were a tenth of a one-token call's time (docs/benchmarks.md "Short
+// calls").
+using PerSequence = c10::SmallVector<int64_t, 8>;
+
+// Sequence layout for the kernels (owned by the caller).
 struct Sequences {
-  std::vector<int64_t> start, end, origin, slot_base;
+  PerSequence start, end, origin, slot_base;
 };
 Sequences make_sequences(const Inputs& in, const Dims& d);
 kernels::SeqInfo seq_info(const Sequences& s);

@@ -15,10 +15,10 @@ namespace detail {
 
 // What every sequence reads and writes, resolved and validated by the op before anything runs.
 struct ServingPlan {
-  std::vector<int64_t> seq_start, seq_end;  // flattened token range of sequence n
-  std::vector<int64_t> src_row;             // row of the source state tensor, -1: zeros
-  std::vector<uint8_t> pad;                 // pad sequence: zero output, nothing written
-  std::vector<int64_t> dst_row;             // row of the destination tensor, -1: none
+  PerSequence seq_start, seq_end;           // flattened token range of sequence n
+  PerSequence src_row;                      // row of the source state tensor, -1: zeros
+  c10::SmallVector<uint8_t, 8> pad;         // pad sequence: zero output, nothing written
+  PerSequence dst_row;                      // row of the destination tensor, -1: none
   std::vector<int64_t> snap;                // [N, snap_ld]: pool row for the state after token t
   int64_t snap_ld = 0;
 };

@@ -1,4 +1,4 @@
-// Internal interface between the op layer (csrc/ops.cpp: schemas, checks, Meta, autograd) and the
+// Internal interface between the op layer (csrc/ops.cpp, op_checks.cpp, serving_op.cpp) and the
 // CPU drivers (csrc/cpu/recurrent_fwd.cpp, recurrent_bwd.cpp, chunk_bwd.cpp, bwd_common.cpp).
 // Not installed.
 #pragma once
@@ -36,7 +36,7 @@ struct Config {
   std::optional<double> lower_bound;
   bool state_v_first = false;
   // The prefix of every error message, naming the op that was called ("kda::chunk: ", ...; set
-  // by each op entry point in ops.cpp), so a shared check never names another op.
+  // by each op entry point: ops.cpp, serving_op.cpp), so a shared check never names another op.
   const char* op = "kda: ";
 };
 
@@ -48,7 +48,7 @@ struct Dims {
   int64_t n_slots = 0;   // checkpoint slots: B * ceil(T / kChunk)
 };
 
-// Validates everything the kernels index with (ops.cpp). With check_values, also reads
+// Validates everything the kernels index with (op_checks.cpp). With check_values, also reads
 // cu_seqlens (CPU kernels; the Meta kernels cannot).
 Dims check_inputs(const Inputs& in, const Config& cfg, bool check_values);
 // The same rules; with probe, a failed rule returns false instead of raising (no message is built).

@@ -1,5 +1,5 @@
-// Internal interface between the op layer (csrc/ops.cpp: the serving op's checks build a plan) and
-// the serving / decode driver (csrc/cpu/serving.cpp). Not installed.
+// Internal interface between the serving op (csrc/serving_op.cpp: its checks build a plan) and the
+// serving / decode driver (csrc/cpu/serving.cpp). Not installed.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,8 +26,8 @@ struct ServingPlan {
 // Runs the plan. `beta` of `in` may be [B, T, HV] or head-wise [B, T, HV, V]; `src` is the state
 // the sequences start from (the pool, an initial state, or undefined), `dst` receives final states
 // (the pool itself for in-place calls, a fresh [N, ...] tensor, or undefined), `out` receives o.
-// Everything was checked by the caller (ops.cpp); in-place targets are fp32 / bf16 (or fp64 with
-// fp64 inputs) with contiguous slots.
+// Everything was checked by the caller (serving_op.cpp; ops.cpp for a plain call's plain_plan);
+// in-place targets are fp32 / bf16 (or fp64 with fp64 inputs) with contiguous slots.
 void serving_cpu(const Inputs& in, const Config& cfg, const Dims& d, const ServingPlan& plan,
                  const at::Tensor& src, const at::Tensor& dst, const at::Tensor& out);
 

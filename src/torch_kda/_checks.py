@@ -214,7 +214,7 @@ def check_cu_seqlens_values(values: List[int], T: int, name: str = "cu_seqlens")
 
     The one implementation, used by the functional API, the reference (where it reads the
     values), :class:`torch_kda.nn.ShortConvolution`, the layer and ``compat.flash_kda.fwd``.
-    The native op checks the same rules in C++ with the same words (csrc/ops.cpp).
+    The native op checks the same rules in C++ with the same words (csrc/op_checks.cpp).
     """
     if values[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {values[0]}")

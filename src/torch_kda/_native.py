@@ -140,7 +140,7 @@ def fused_recurrent_fast(q, k, v, g, beta, scale, initial_state, output_final_st
 
     The plain call goes to ``kda::_fused_recurrent_fast``, a serving call (``ssm_state_indices``,
     ``num_accepted_tokens``, ``inplace_final_state``, ``out``, head-wise beta) to
-    ``kda::_fused_recurrent_serving_fast`` (csrc/ops.cpp). They probe the rules of
+    ``kda::_fused_recurrent_serving_fast`` (csrc/ops.cpp, csrc/serving_op.cpp). They probe the rules of
     :func:`~torch_kda._checks.check_serving_inputs` / :func:`~torch_kda._checks.check_kda_inputs`
     in C++ without raising (the ops' own checks in their probing mode, plus the Python rules
     beyond them) and, where they hold, run the kernels that :func:`fused_recurrent` /

@@ -1,6 +1,6 @@
-// Short calls from C++: kda::fused_recurrent (the public C++ API, no Python) on B = 1 and T of a
-// few tokens, on the kernels the op picks (the serving kernels up to kShortCallTokens tokens per
-// sequence, csrc/cpu/serving.h) against the general recurrent kernels (the same call with
+// Short calls from C++: kda::fused_recurrent (the public C++ API, no Python) on B = 1 and T of
+// 1-64 tokens, on the kernels the op picks (the serving kernels for calls of at most
+// kShortCallWork state elements of work, csrc/cpu/serving.h) against the general recurrent kernels (the same call with
 // TORCH_KDA_DECODE_KERNEL=recurrent, which the op reads at every call), interleaved: every
 // repetition times `calls` calls of each, one after the other; then the serving form of the same
 // call ("in place": the initial state is a one-slot pool updated in place, o written into a
@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   std::printf("| H | T | picked | general | general / picked | in place |\n"
               "|---|---|---|---|---|---|\n");
   for (const int64_t H : heads) {
-    for (const int64_t T : {1, 2, 3, 4, 5, 8, 16}) {
+    for (const int64_t T : {1, 2, 4, 8, 16, 32, 64}) {
       auto unit = [&](at::Tensor x) { return x / x.norm(2, -1, true); };
       const std::vector<at::Tensor> in = {
           unit(torch::randn({1, T, H, K})), unit(torch::randn({1, T, H, K})),

@@ -229,15 +229,15 @@ def test_plain_decode_matches_oracle_in_both_layouts(v_first, K, V):
     assert s.shape == p.kwargs["initial_state"].shape
 
 
-@pytest.mark.parametrize("T", [2, 3, 4])
+@pytest.mark.parametrize("T", [2, 3, 4, 10])
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("gate", ["none", "softplus", "bounded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_short_plain_calls_run_the_decode_kernels_token_by_token(T, v_first, gate, dtype):
-    # Small calls of up to 4 tokens per sequence run on the serving kernels (csrc/cpu/serving.h,
-    # is_short_call: here T x B x HV x K x V <= 12,288 of the bound's 32,768), which carry each
-    # state slice from token to token exactly: bitwise the chain of T one-token decode calls, and
-    # within fp32 rounding of the float64 oracle.
+    # Small calls run on the serving kernels (csrc/cpu/serving.h, is_short_call: here
+    # T x B x HV x K x V <= 30,720 of the bound's 32,768), which carry each state slice from token
+    # to token exactly: bitwise the chain of T one-token decode calls, and within fp32 rounding of
+    # the float64 oracle.
     p = make_problem(B=2, T=T, H=2, HV=4, K=16, V=24, seed=11, state_v_first=v_first, gate=gate
                      ).to(torch.float32)
     args = [x.to(dtype) if x.is_floating_point() and x.dim() >= 3 else x for x in p.args]
@@ -256,9 +256,9 @@ def test_short_plain_calls_run_the_decode_kernels_token_by_token(T, v_first, gat
 
 
 def test_short_packed_sequences_match_the_oracle():
-    # cu_seqlens with sequences of 1-4 tokens (the serving kernels), one of 5 (the general ones),
-    # and short ones past the work bound (the general ones).
-    for lens in ([1, 4, 2, 3], [4, 5, 1], [4] * 80):
+    # cu_seqlens under the work bound (the serving kernels), with an empty sequence among them,
+    # and past it (the general kernels): few long sequences, many short ones.
+    for lens in ([1, 4, 2, 3], [4, 5, 0, 1], [17], [20, 30], [4] * 80):
         p = make_problem(B=1, T=sum(lens), H=2, HV=4, K=24, V=20, seed=5, seqlens=lens).to(torch.float32)
         with torch.no_grad():
             o, s = torch_kda.fused_recurrent_kda(*p.args, **p.kwargs, backend="native")

@@ -224,15 +224,14 @@ ServingPlan plain_plan(const Inputs& in, const Dims& d) {
 
 bool is_short_call(const Inputs& in, const Dims& d) {
   if (d.T == 0) return false;
-  int64_t longest = d.T;  // tokens of the longest sequence
-  if (d.varlen) {
-    const auto cu = in.cu_seqlens->to(at::kLong).contiguous();
-    const int64_t* c = cu.data_ptr<int64_t>();
-    longest = 0;
-    for (int64_t n = 0; n < d.N; ++n) longest = std::max(longest, c[n + 1] - c[n]);
+  if (d.B * d.T * d.HV * d.K * d.V <= kShortCallWork) return true;
+  if (!d.varlen) return d.T == 1;  // decode
+  const auto cu = in.cu_seqlens->to(at::kLong).contiguous();
+  const int64_t* c = cu.data_ptr<int64_t>();
+  for (int64_t n = 0; n < d.N; ++n) {
+    if (c[n + 1] - c[n] > 1) return false;
   }
-  if (longest == 1) return true;  // decode
-  return longest <= kShortCallTokens && d.B * d.T * d.HV * d.K * d.V <= kShortCallWork;
+  return true;  // decode: no sequence has more than one token
 }
 
 namespace {

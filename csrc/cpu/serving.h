@@ -36,17 +36,16 @@ void serving_cpu(const Inputs& in, const Config& cfg, const Dims& d, const Servi
 ServingPlan plain_plan(const Inputs& in, const Dims& d);
 
 // Plain fused_recurrent calls that run on the serving kernels: decode (one token per sequence),
-// and short prefills of at most kShortCallTokens tokens per sequence whose work, all tokens x HV
-// x K x V state elements, is at most kShortCallWork. The serving kernels skip the general
-// kernels' fixed costs (pre-processing pass, token blocks, workspaces: their smallest calls took
-// 4.6-8 us on a Zen 4 core, 11-17 us on a 16-core Xeon host's) but cost more per token past the
-// first (the slice goes through a local copy from token to token), so they win only on small
-// calls. Their time over the general kernels' (benchmarks/short_calls.cpp, one thread, T = 2-4):
-// Zen 4 0.41-0.63 with one or four heads of K = V = 32, 0.75 at T = 2 with one head of 128,
-// 0.83-0.91 with four heads of 128, 0.93-0.96 with 32 heads of 32; Xeon 0.48-0.68, 0.92, then
-// 1.18-1.43 with four or 32 heads of 128 and 1.14-1.18 with 32 heads of 32 (docs/benchmarks.md,
-// "Short calls"). The work bound keeps the calls that won on both.
-constexpr int64_t kShortCallTokens = 4;
+// and short calls whose work, all tokens x HV x K x V state elements, is at most kShortCallWork.
+// The serving kernels skip the general kernels' fixed costs (pre-processing pass, token blocks,
+// workspaces: their smallest calls took 4.6-8 us on a Zen 4 core, 11-17 us on a 16-core Xeon
+// host's) but cost more per token past the first (the slice goes through a local copy from token
+// to token), so they win only on small calls. The general kernels' time over theirs
+// (benchmarks/short_calls.cpp, B = 1, one thread, K = V = 16-128, 1-32 heads, T = 2-64;
+// docs/benchmarks.md "Short calls"): inside the bound 1.07-3.1 on the Zen 4 box and 1.24-3.1 on
+// the Xeon host, but for one head of 128 at T = 2 (1.32 / 0.98); at twice the bound 0.84-0.94 on
+// the Xeon (32 heads of 32 at T = 2, one head of 128 at T = 4, four at T = 2, one head of 32 at
+// T = 64). No bound on the tokens themselves: one head of 16 wins up to T = 64 on both.
 constexpr int64_t kShortCallWork = 32768;
 
 // True when a plain call runs on the serving kernels (the rule above); at least one token.

@@ -136,7 +136,7 @@ std::optional<at::Tensor> check_bwd_call(const at::Tensor& grad_o,
   check_float(op, checkpoints, "checkpoints");
   check_device(op, checkpoints, "checkpoints", q);
   check_shape(op, checkpoints, "checkpoints", {d.n_slots, d.HV, d.K, d.V},
-              "[B * ceil(T / 64), HV, K, V] (from fused_recurrent_fwd)");
+              "[B * ceil(T / 64), HV, K, V] (from fused_recurrent_fwd or chunk_fwd)");
   return gfs;
 }
 
@@ -527,7 +527,11 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent(const at::Tensor& q, const at
   const at::Tensor out = o.out ? *o.out : detail::empty_output(v.sizes(), q.options());
   std::optional<at::Tensor> final_state;
   if (!o.inplace_final_state) {
-    const int64_t N = o.cu_seqlens ? o.cu_seqlens->size(0) - 1 : q.size(0);
+    // N from cu_seqlens only where it has the shape the op checks (1-D, at least one offset):
+    // else the op's cu_seqlens check raises, with its words, before it reads final_state's shape.
+    const bool packed = o.cu_seqlens && o.cu_seqlens->defined();
+    const bool cu_1d = packed && o.cu_seqlens->dim() == 1 && o.cu_seqlens->size(0) >= 1;
+    const int64_t N = !packed ? q.size(0) : cu_1d ? o.cu_seqlens->size(0) - 1 : 0;
     const auto opts = q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
     const int64_t HV = v.size(2), K = q.size(3), V = v.size(3);
     const std::vector<int64_t> shape = o.state_v_first ? std::vector<int64_t>{N, HV, V, K}

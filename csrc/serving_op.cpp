@@ -12,6 +12,7 @@
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -382,9 +383,10 @@ void fused_recurrent_serving_autograd(KDA_SERVING_ARGS) {
     const char* name = q.requires_grad() ? "q" : k.requires_grad() ? "k" : v.requires_grad() ? "v"
                        : g.requires_grad() ? "g" : beta.requires_grad() ? "beta"
                        : req(initial_state) ? "initial_state" : req(A_log) ? "A_log"
-                       : req(dt_bias) ? "dt_bias" : out.requires_grad() ? "out" : nullptr;
-    KDA_CHECK_VALUE(name == nullptr, kSrv, "serving calls are inference only (the pool and out "
-                      "are written in place), but ", name, " requires grad; run under "
+                       : req(dt_bias) ? "dt_bias" : out.requires_grad() ? "out"
+                       : req(final_state) ? "final_state" : nullptr;
+    KDA_CHECK_VALUE(name == nullptr, kSrv, "serving calls are inference only (the pool, out and "
+                      "final_state are written in place), but ", name, " requires grad; run under "
                       "torch::NoGradGuard / torch.no_grad(), or use backend=\"reference\" for "
                       "gradients");
   }

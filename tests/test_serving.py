@@ -440,6 +440,24 @@ def test_inplace_serving_on_tensors_requiring_grad_is_rejected():
     assert torch.equal(pool, before)
 
 
+@pytest.mark.parametrize("written", ["out", "final_state"])
+def test_serving_op_refuses_written_tensors_requiring_grad(written):
+    # The op writes out and a caller's final_state below autograd: under grad mode a leaf that
+    # requires grad would change without a word, and a non-leaf's graph would go stale (its
+    # gradient then wrong), where PyTorch's in-place ops record the write or refuse it.
+    p = _decode_problem(N=2)
+    pool = _pool(3, 4, 16, 24, False)
+    tensors = {"out": torch.empty(2, 1, 4, 24), "final_state": torch.zeros(2, 4, 16, 24)}
+    leaf = torch.randn_like(tensors[written]).requires_grad_(True)
+    tensors[written] = leaf * 2  # a non-leaf requiring grad
+    before = tensors[written].detach().clone()
+    with pytest.raises(ValueError, match=f"inference only.*but {written} requires grad"):
+        torch.ops.kda.fused_recurrent_serving(p.q, p.k, p.v, p.g, p.beta, 0.25, pool,
+                                              torch.tensor([0, 2]), None, tensors["out"],
+                                              tensors["final_state"], -1, False)
+    assert torch.equal(tensors[written].detach(), before)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inference_pool_written_outside_inference_mode_is_refused_before_writing(backend):
     # PyTorch refuses the version bump of an inference tensor outside inference mode only after

@@ -292,6 +292,18 @@ TEST_F(BadCuSeqlens, NonContiguousViewIsReadByValue) {
   expect_cu(base.slice(0, 1, 5, 2), {"cu_seqlens[0] must be 0", "got 99"});
 }
 
+TEST_F(BadCuSeqlens, ServingCallsCheckItBeforeSizingTheirFinalState) {
+  // A serving call that is not in place sizes its final state [N, ...] from cu_seqlens before
+  // the op runs: a cu_seqlens without offsets must still get the op's message, not ATen's.
+  auto o = x.opts;
+  o.out = at::empty_like(x.v);
+  for (const Tensor& cu : {at::empty({0}, at::kLong), at::scalar_tensor(20, at::kLong)}) {
+    o.cu_seqlens = cu;
+    expect_error([&] { call(x.q, x.k, x.v, x.g, x.beta, o); },
+                 {"kda::fused_recurrent_serving: ", "cu_seqlens must be 1-D"});
+  }
+}
+
 TEST_F(BadCuSeqlens, InitialStateCountMismatch) {
   auto o = x.opts;
   o.cu_seqlens = i64({0, 3, 3, 20});  // N = 3

@@ -32,6 +32,13 @@ bool check_shape(const char* op, const at::Tensor& t, const char* name, at::IntA
   return true;
 }
 
+void check_same_device(const char* op, const at::Tensor& q,
+                       std::initializer_list<std::pair<const char*, const at::Tensor*>> others) {
+  for (const auto& [name, t] : others) {
+    if (t != nullptr) check_device(op, *t, name, q);
+  }
+}
+
 bool finite_in_compute(double x, const at::Tensor& q) {
   if (!std::isfinite(x)) return false;
   return compute_dtype(q) == at::kDouble ||

@@ -164,16 +164,10 @@ Grads chunk_bwd_cpu_op(const at::Tensor& grad_o, const std::optional<at::Tensor>
 void check_defined_same_device(const char* op, KDA_OP_ARGS) {
   KDA_CHECK_TYPE(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(), op,
               "q, k, v, g and beta must be defined tensors");
-  check_device(op, k, "k", q);
-  check_device(op, v, "v", q);
-  check_device(op, g, "g", q);
-  check_device(op, beta, "beta", q);
-  if (initial_state && initial_state->defined()) {
-    check_device(op, *initial_state, "initial_state", q);
-  }
-  if (cu_seqlens && cu_seqlens->defined()) check_device(op, *cu_seqlens, "cu_seqlens", q);
-  if (A_log && A_log->defined()) check_device(op, *A_log, "A_log", q);
-  if (dt_bias && dt_bias->defined()) check_device(op, *dt_bias, "dt_bias", q);
+  check_same_device(op, q, {{"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta},
+                           {"initial_state", defined_ptr(initial_state)},
+                           {"cu_seqlens", defined_ptr(cu_seqlens)}, {"A_log", defined_ptr(A_log)},
+                           {"dt_bias", defined_ptr(dt_bias)}});
 }
 
 at::ScalarType state_dtype(const at::Tensor& q) { return compute_dtype(q); }

@@ -359,7 +359,20 @@ void fused_recurrent_serving_cpu(KDA_SERVING_ARGS) {
   run_serving(in, cfg, d, plan, dst, !inplace_final_state && fresh, out);
 }
 
-void fused_recurrent_serving_meta(KDA_SERVING_ARGS) {}  // outputs are the caller's tensors
+// The outputs are the caller's tensors: nothing to make, only the devices to check. One meta
+// tensor among CPU tensors sends the call here, which then returned with nothing written.
+void fused_recurrent_serving_meta(KDA_SERVING_ARGS) {
+  KDA_CHECK_TYPE(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(), kSrv,
+                 "q, k, v, g and beta must be defined tensors");
+  check_same_device(kSrv, q, {{"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta},
+                              {"initial_state", defined_ptr(initial_state)},
+                              {"ssm_state_indices", defined_ptr(ssm_state_indices)},
+                              {"num_accepted_tokens", defined_ptr(num_accepted_tokens)},
+                              {"out", out.defined() ? &out : nullptr},
+                              {"final_state", defined_ptr(final_state)},
+                              {"cu_seqlens", defined_ptr(cu_seqlens)}, {"A_log", defined_ptr(A_log)},
+                              {"dt_bias", defined_ptr(dt_bias)}});
+}
 
 // The serving ops write out, the pool (in place) and a caller's final_state below autograd's
 // ADInplaceOrView kernel, which is where PyTorch's in-place ops bump a tensor's version: bumped

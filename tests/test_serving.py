@@ -458,6 +458,35 @@ def test_serving_op_refuses_written_tensors_requiring_grad(written):
     assert torch.equal(tensors[written].detach(), before)
 
 
+@pytest.mark.parametrize("on_meta", ["out", "final_state", "initial_state", "ssm_state_indices",
+                                     "cu_seqlens", "beta"])
+def test_serving_op_with_one_meta_tensor_among_cpu_tensors_is_refused(on_meta):
+    # One meta tensor sends the whole call to the op's Meta kernel (Meta has the higher dispatch
+    # priority), which returned with nothing written; it now checks the devices as the plain
+    # op's Meta kernel does. A call with every tensor on meta still runs (fake tensors, tracing).
+    p = _decode_problem(N=2)
+    args = {"q": p.q, "k": p.k, "v": p.v, "g": p.g, "beta": p.beta,
+            "initial_state": _pool(3, 4, 16, 24, False), "ssm_state_indices": torch.tensor([0, 2]),
+            "out": torch.full((2, 1, 4, 24), 7.0), "final_state": torch.full((2, 4, 16, 24), 7.0),
+            "cu_seqlens": None}
+    if on_meta == "cu_seqlens":  # packed: B = 1 with two one-token sequences
+        args.update({n: args[n].reshape(1, 2, *args[n].shape[2:])
+                     for n in ("q", "k", "v", "g", "beta", "out")},
+                    cu_seqlens=torch.tensor([0, 1, 2]))
+    args[on_meta] = args[on_meta].to("meta")
+
+    def call(a):
+        torch.ops.kda.fused_recurrent_serving(
+            a["q"], a["k"], a["v"], a["g"], a["beta"], 0.25, a["initial_state"],
+            a["ssm_state_indices"], None, a["out"], a["final_state"], -1, False,
+            cu_seqlens=a["cu_seqlens"])
+
+    with pytest.raises(ValueError, match=f"fused_recurrent_serving: {on_meta} must be on the "
+                                         r"device of q \(cpu\), got meta"):
+        call(args)
+    call({n: t if t is None else t.to("meta") for n, t in args.items()})
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inference_pool_written_outside_inference_mode_is_refused_before_writing(backend):
     # PyTorch refuses the version bump of an inference tensor outside inference mode only after

@@ -516,7 +516,10 @@ std::tuple<at::Tensor, at::Tensor> fused_recurrent(const at::Tensor& q, const at
   }
   // Serving call: the outputs are allocated here (the op writes into them) and the op checks
   // everything before writing.
-  KDA_CHECK(v.defined() && v.dim() == 4, "kda::fused_recurrent: v must be 4-D [B, T, HV, V]");
+  // v's sizes give the outputs' before the op runs: its two rules first, in the op's words.
+  KDA_CHECK_TYPE(v.defined(), "kda::fused_recurrent: q, k, v, g and beta must be defined tensors");
+  KDA_CHECK_VALUE(v.dim() == 4, "kda::fused_recurrent: v must be 4-D [B, T, HV, V], got shape ",
+                  detail::shape_str(v.sizes()));
   // From the output cache, as the Python entry's outputs (no page faults per call).
   const at::Tensor out = o.out ? *o.out : detail::empty_output(v.sizes(), q.options());
   std::optional<at::Tensor> final_state;

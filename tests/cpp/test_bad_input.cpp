@@ -292,6 +292,23 @@ TEST_F(BadCuSeqlens, NonContiguousViewIsReadByValue) {
   expect_cu(base.slice(0, 1, 5, 2), {"cu_seqlens[0] must be 0", "got 99"});
 }
 
+TEST_F(BadInput, ServingCallsCheckVBeforeSizingTheirOutputs) {
+  // A serving call (here out= with an initial state) sizes o and the final state from v before
+  // the op runs: an undefined v raises the op's TypeError, a 3-D one its ValueError.
+  auto o = x.opts;
+  o.out = at::empty_like(x.v);
+  expect_error([&] { call(x.q, x.k, Tensor(), x.g, x.beta, o); },
+               {"kda::fused_recurrent: ", "q, k, v, g and beta must be defined tensors"});
+  try {
+    call(x.q, x.k, Tensor(), x.g, x.beta, o);
+  } catch (const c10::TypeError&) {
+  } catch (...) {
+    ADD_FAILURE() << "an undefined v must raise c10::TypeError";
+  }
+  expect_error([&] { call(x.q, x.k, x.v.select(2, 0), x.g, x.beta, o); },
+               {"kda::fused_recurrent: ", "v must be 4-D [B, T, HV, V], got shape"});
+}
+
 TEST_F(BadCuSeqlens, ServingCallsCheckItBeforeSizingTheirFinalState) {
   // A serving call that is not in place sizes its final state [N, ...] from cu_seqlens before
   // the op runs: a cu_seqlens without offsets must still get the op's message, not ATen's.

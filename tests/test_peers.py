@@ -33,11 +33,13 @@ def test_both_state_layouts_of_ours_give_the_same_outputs_as_the_oracle():
     inp = peers.peer_inputs(Shape(2, 9, 2, 2, 16, 16), seed=3)
     o_k, s_k = peers.Ours(inp).outputs()
     o_v, s_v = peers.Ours(inp, state_v_first=True).outputs()
-    assert torch.equal(o_k, o_v) and torch.equal(s_k, s_v)
     o_ref, s_ref = oracle_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], initial_state=inp["h0"],
                               output_final_state=True)
-    assert peers._rel_err(o_k, o_ref) < 1e-5
-    assert peers._rel_err(s_k, s_ref) < 1e-5
+    # Equal to rounding, not bitwise: a call this small runs on the decode kernels, whose two
+    # layouts sum their products in different orders.
+    for o, s in ((o_k, s_k), (o_v, s_v)):
+        assert peers._rel_err(o, o_ref) < 1e-5
+        assert peers._rel_err(s, s_ref) < 1e-5
 
 
 def test_peer_shapes_take_the_head_dim_in_prefill_and_decode():

@@ -33,7 +33,7 @@ bool check_shape(const char* op, const at::Tensor& t, const char* name, at::IntA
 }
 
 void check_same_device(const char* op, const at::Tensor& q,
-                       std::initializer_list<std::pair<const char*, const at::Tensor*>> others) {
+                       std::initializer_list<NamedTensor> others) {
   for (const auto& [name, t] : others) {
     if (t != nullptr) check_device(op, *t, name, q);
   }

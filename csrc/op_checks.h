@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
-#include <utility>
 
 #include "cpu/error_message.h"
 #include "cpu/kda_cpu.h"
@@ -40,6 +39,12 @@ bool check_device(const char* op, const at::Tensor& t, const char* name, const a
 bool check_shape(const char* op, const at::Tensor& t, const char* name, at::IntArrayRef expected,
                  const char* what, bool probe = false);
 
+// An op's tensor argument with its name, for the messages; null for an absent optional one.
+struct NamedTensor {
+  const char* name;
+  const at::Tensor* tensor;
+};
+
 // A defined tensor's address, else null: for lists of the optional arguments.
 inline const at::Tensor* defined_ptr(const std::optional<at::Tensor>& t) {
   return t && t->defined() ? &*t : nullptr;
@@ -49,7 +54,7 @@ inline const at::Tensor* defined_ptr(const std::optional<at::Tensor>& t) {
 // first that is not. The Meta kernels' check: one meta tensor among CPU tensors sends a call to
 // them (Meta has the higher dispatch priority).
 void check_same_device(const char* op, const at::Tensor& q,
-                       std::initializer_list<std::pair<const char*, const at::Tensor*>> others);
+                       std::initializer_list<NamedTensor> others);
 
 // Whether x stays finite in the compute dtype of the inputs q (compute_dtype: float64 for
 // float64, float32 for the others): a scale of 1e300 is a finite double but infinite in float32,

@@ -56,13 +56,9 @@ std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
   return {first, first + static_cast<uintptr_t>((last + 1) * t.element_size())};
 }
 
-// A tensor a serving call writes or reads, with its argument's name for the messages. Pointers,
-// not copies: these lists are built at every call, decode's included (a list of (std::string,
-// Tensor) pairs took 15% of a one-token call from C++; docs/benchmarks.md "Short calls").
-struct NamedTensor {
-  const char* name;
-  const at::Tensor* tensor;
-};
+// The tensors a serving call writes or reads (NamedTensor, op_checks.h): pointers, not copies,
+// as these lists are built at every call, decode's included (a list of (std::string, Tensor)
+// pairs took 15% of a one-token call from C++; docs/benchmarks.md "Short calls").
 using NamedTensors = c10::SmallVector<NamedTensor, 16>;
 
 // PyTorch refuses to bump the version of an inference tensor outside inference mode, which a
@@ -206,12 +202,13 @@ bool check_serving(KDA_SERVING_ARGS, bool probe, Inputs& in, Config& cfg, Dims& 
     if (inplace_final_state) written.push_back({"initial_state", &*pool});
     if (fresh) written.push_back({"final_state", &*fresh});
     NamedTensors read{{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}};
-    const std::pair<const char*, const std::optional<at::Tensor>*> optional_reads[] = {
-        {"initial_state", inplace_final_state ? nullptr : &pool}, {"A_log", &A_log},
-        {"dt_bias", &dt_bias}, {"cu_seqlens", &cu_seqlens}, {"ssm_state_indices", &idx},
-        {"num_accepted_tokens", &nat}};
-    for (const auto& [name, t] : optional_reads) {
-      if (t && *t && (*t)->defined()) read.push_back({name, &**t});
+    const NamedTensor optional_reads[] = {
+        {"initial_state", inplace_final_state ? nullptr : defined_ptr(pool)},
+        {"A_log", defined_ptr(A_log)}, {"dt_bias", defined_ptr(dt_bias)},
+        {"cu_seqlens", defined_ptr(cu_seqlens)}, {"ssm_state_indices", defined_ptr(idx)},
+        {"num_accepted_tokens", defined_ptr(nat)}};
+    for (const NamedTensor& t : optional_reads) {
+      if (t.tensor != nullptr) read.push_back(t);
     }
     if (!check_writable(written, probe) || !check_no_aliasing(written, read, probe)) return false;
   }
